@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): side-by-side ratios measured in one run."""

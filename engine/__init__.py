@@ -1,0 +1,1 @@
+"""Specgate's speculative-decoding engine. Never imports ``gateway``."""

@@ -1,0 +1,108 @@
+"""Engine configuration, in Specgate's own terms and in vLLM's ``--speculative-config`` terms."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.types import Method
+
+DType = Literal["auto", "bfloat16", "float16", "float32"]
+
+# vLLM's method names, mapped onto ours.
+_VLLM_METHODS: dict[str, Method] = {
+    "ngram": "ngram",
+    "draft_model": "draft",
+    "draft": "draft",
+}
+
+
+class SpeculativeConfig(BaseModel):
+    """How the engine speculates by default, and when it stops speculating."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Method = "none"
+    num_speculative_tokens: int | None = Field(
+        default=None, ge=1, le=16, description="Fixed K; None lets the engine adapt K per request."
+    )
+    max_speculative_tokens: int = Field(default=8, ge=1, le=16)
+    prompt_lookup_min: int = Field(default=1, ge=1)
+    prompt_lookup_max: int = Field(default=4, ge=1)
+    acceptance_threshold: float = Field(
+        default=0.6,
+        ge=0.0,
+        le=1.0,
+        description="Below this rolling acceptance rate a method is switched off.",
+    )
+    window_tokens: int = Field(default=256, ge=8, description="Draft tokens in the rolling window.")
+    probe_interval_requests: int = Field(
+        default=8, ge=1, description="While switched off, every Nth request still speculates."
+    )
+    disable_by_queue_depth: int | None = Field(
+        default=None, ge=1, description="Decode plainly while at least this many requests wait."
+    )
+
+    @model_validator(mode="after")
+    def _lookup_bounds(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        return self
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    target: Path
+    draft: Path | None = None
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    dtype: DType = "auto"
+    device: str | None = Field(default=None, description="cuda, cpu, ...; None picks CUDA if present.")
+    max_queue: int = Field(default=64, ge=1, description="Requests waiting beyond this get QueueFullError.")
+    served_model_name: str | None = None
+
+    @model_validator(mode="after")
+    def _draft_needed(self) -> EngineConfig:
+        if self.speculative.method == "draft" and self.draft is None:
+            raise ValueError("speculative.method 'draft' needs a draft model directory")
+        return self
+
+
+def speculative_config_from_vllm(
+    text_or_obj: str | dict[str, Any],
+) -> tuple[SpeculativeConfig, Path | None]:
+    """Read vLLM's ``--speculative-config`` JSON; returns our config and the draft model path.
+
+    Only the keys Specgate implements are accepted; anything else is an error that names it,
+    so that an operator never believes a setting was carried over when it was not.
+    """
+    obj: dict[str, Any] = json.loads(text_or_obj) if isinstance(text_or_obj, str) else dict(text_or_obj)
+    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+             "disable_by_batch_size"}
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        raise ValueError(f"unsupported --speculative-config keys: {', '.join(unknown)}")
+    method_name = obj.get("method")
+    if method_name is None:
+        method_name = "draft_model" if obj.get("model") else "ngram"
+    if method_name not in _VLLM_METHODS:
+        raise ValueError(
+            f"--speculative-config method {method_name!r} is not supported; "
+            f"use one of {', '.join(sorted(_VLLM_METHODS))}"
+        )
+    method = _VLLM_METHODS[method_name]
+    fields: dict[str, Any] = {"method": method}
+    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        if key in obj:
+            fields[key] = obj[key]
+    if "prompt_lookup_max" in fields and "prompt_lookup_min" not in fields:
+        fields["prompt_lookup_min"] = min(1, fields["prompt_lookup_max"])
+    if "disable_by_batch_size" in obj:
+        fields["disable_by_queue_depth"] = obj["disable_by_batch_size"]
+    draft = Path(obj["model"]) if method == "draft" and obj.get("model") else None
+    if method == "draft" and draft is None:
+        raise ValueError("--speculative-config method 'draft_model' needs 'model'")
+    return SpeculativeConfig(**fields), draft

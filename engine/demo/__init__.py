@@ -1,0 +1,1 @@
+"""The demo model pair: a byte-level BPE tokenizer and two Llama models trained here."""

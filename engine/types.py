@@ -1,0 +1,179 @@
+"""Plain data passed between the engine and its callers (the gateway, the CLI, the benchmark).
+
+Nothing here touches torch, so callers can import these types cheaply.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+Method = Literal["none", "ngram", "draft"]
+METHODS: tuple[Method, ...] = ("none", "ngram", "draft")
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each token. ``temperature == 0`` means greedy.
+
+    ``top_k == 0`` and ``top_p == 1.0`` switch those filters off. ``stop`` holds stop
+    strings: generation ends at the first token whose text completes one, and the stop
+    string itself is not returned (OpenAI's behaviour).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpeculativeChoice:
+    """A request's choice of decoding method; ``None`` fields take the engine's defaults.
+
+    ``num_speculative_tokens`` set fixes K for this request; left ``None`` the engine
+    chooses K adaptively.
+    """
+
+    method: Method | None = None
+    num_speculative_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    speculative: SpeculativeChoice = field(default_factory=SpeculativeChoice)
+    request_id: str | None = None
+
+
+@dataclass
+class GenerationStats:
+    """Per-request figures, named as vLLM names its per-request speculative metrics."""
+
+    method: Method
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_target_passes: int = 0
+    fallback_active: bool = False
+    time_to_first_token_s: float = 0.0
+    total_time_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens produced per speculative step: 1 + accepted / drafts (vLLM's definition)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_output_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "method": self.method,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "num_target_passes": self.num_target_passes,
+            "fallback_active": self.fallback_active,
+            "time_to_first_token_s": self.time_to_first_token_s,
+            "total_time_s": self.total_time_s,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """A piece of output. The last delta of a request carries ``finish_reason`` and ``stats``."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    stats: GenerationStats | None = None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class FallbackEvent:
+    """A speculation method was switched off (``disabled``) or back on (``enabled``)."""
+
+    method: Method
+    model: str
+    action: Literal["disabled", "enabled"]
+    reason: str
+    acceptance_rate: float
+    window_tokens: int
+    threshold: float
+    timestamp: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "method": self.method,
+            "model": self.model,
+            "action": self.action,
+            "reason": self.reason,
+            "acceptance_rate": self.acceptance_rate,
+            "window_tokens": self.window_tokens,
+            "threshold": self.threshold,
+            "timestamp": self.timestamp,
+        }
+
+
+class EngineError(Exception):
+    """Base of the errors the engine raises on purpose."""
+
+
+class InvalidRequestError(EngineError):
+    """The request cannot be served as asked (the gateway answers 400). ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """Prompt plus max_tokens do not fit the target's context window."""
+
+
+class MethodUnavailableError(InvalidRequestError):
+    """A request asked for a speculation method this engine has not loaded."""
+
+
+class QueueFullError(EngineError):
+    """The bounded request queue is full (the gateway answers 429)."""
+
+
+class EngineClosedError(EngineError):
+    """The engine is shutting down and takes no more requests."""
+
+
+class IncompatibleDraftError(EngineError):
+    """The draft model's vocabulary does not match the target's."""

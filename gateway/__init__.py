@@ -1,0 +1,1 @@
+"""Specgate's HTTP gateway: OpenAI-compatible API, keys and roles, audit log, telemetry."""

@@ -1,0 +1,20 @@
+"""The ``specgate`` command. Each group lives in the module that owns it; heavy imports
+(torch, the web stack) happen inside the commands so that ``specgate --help`` stays fast."""
+
+from __future__ import annotations
+
+import typer
+
+from bench.cli import bench
+from engine.cli import generate, models_app
+from gateway.cli_admin import audit_app, db_app, keys_app
+from gateway.cli_serve import serve
+
+app = typer.Typer(help="Specgate: an audited, speculative-decoding LLM gateway.", no_args_is_help=True)
+app.command()(generate)
+app.command()(serve)
+app.command()(bench)
+app.add_typer(models_app, name="models", help="Build and inspect model checkpoints.")
+app.add_typer(db_app, name="db", help="Database migrations.")
+app.add_typer(keys_app, name="keys", help="API keys and roles.")
+app.add_typer(audit_app, name="audit", help="Audit log verification.")

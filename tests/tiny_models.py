@@ -1,0 +1,64 @@
+"""Tiny Llama models built from configs for the tests: real checkpoints on disk, random weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from engine.demo.tokenizer import train_tokenizer
+
+SAMPLE_TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nprint(os.path.join('a', 'b'))\n",
+    "The quick brown fox jumps over the lazy dog. Hello, world!\n",
+] * 20
+
+
+def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    return train_tokenizer(SAMPLE_TEXT, vocab_size=vocab_size)
+
+
+def build_model(
+    out: Path,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    seed: int,
+    hidden: int = 64,
+    layers: int = 2,
+    vocab_size: int | None = None,
+    max_positions: int = 512,
+) -> Path:
+    """Save a random Llama model (float32) with ``tokenizer`` beside it in ``out``."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size or len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    # Scale the output head so the random model has peaked, varied distributions.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_pair(root: Path, *, draft_seed: int = 1) -> tuple[Path, Path]:
+    """A target and a draft sharing one tokenizer. The draft is a different random model."""
+    tokenizer = build_tokenizer()
+    target = build_model(root / "target", tokenizer, seed=0, hidden=64, layers=2)
+    draft = build_model(root / "draft", tokenizer, seed=draft_seed, hidden=32, layers=1)
+    return target, draft
