@@ -1,0 +1,95 @@
+"""The decode loop: propose, verify in one target pass, keep the agreed prefix, roll back.
+
+Plain decoding is the same loop with nothing proposed, so every method shares one code path
+and one KV-cache discipline: the target cache holds the committed sequence minus its last
+token, which is fed together with the proposal in the next pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.adaptive import SpeculationLength
+from engine.model_runner import ModelRunner
+from engine.proposers.base import Proposal, Proposer
+from engine.sampling import Verdict, probabilities, verify_greedy, verify_sampled
+from engine.types import GenerationStats, SamplingParams
+
+
+@dataclass
+class Speculation:
+    """How one request speculates: a proposer and either a fixed k or an adaptive one."""
+
+    proposer: Proposer
+    fixed_k: int | None
+    length: SpeculationLength
+
+    def next_k(self) -> int:
+        return self.fixed_k if self.fixed_k is not None else self.length.choose()
+
+
+def prefill(target: ModelRunner, prompt: list[int]) -> None:
+    """Cache the prompt minus its last token; the first decode pass feeds that token."""
+    target.reset()
+    if len(prompt) > 1:
+        target.forward(prompt[:-1])
+
+
+def decode(
+    target: ModelRunner,
+    prompt: list[int],
+    params: SamplingParams,
+    generator: torch.Generator,
+    stats: GenerationStats,
+    speculation: Speculation | None = None,
+) -> Iterator[list[int]]:
+    """Yield the tokens committed by each target pass until ``params.max_tokens`` are out.
+
+    The caller stops early (EOS, stop strings) simply by not asking for more.
+    """
+    context = list(prompt)
+    if speculation is not None:
+        speculation.proposer.start(context)
+    remaining = params.max_tokens
+    while remaining > 0:
+        proposal = Proposal([])
+        k = min(speculation.next_k(), remaining - 1) if speculation is not None else 0
+        if speculation is not None and k > 0:
+            started = time.perf_counter()
+            proposal = speculation.proposer.propose(context, k, params, generator)
+            if proposal.tokens:
+                speculation.length.record_draft_pass((time.perf_counter() - started) / k)
+
+        committed = len(context)
+        fed = [context[-1], *proposal.tokens]
+        started = time.perf_counter()
+        logits = target.forward(fed)
+        verdict = _verify(proposal, logits, params, generator)
+        if speculation is not None:
+            speculation.length.record_target_pass(len(fed), time.perf_counter() - started)
+
+        new_tokens = [*proposal.tokens[: verdict.num_accepted], verdict.next_token]
+        target.truncate(committed + verdict.num_accepted)
+        context.extend(new_tokens)
+        stats.num_target_passes += 1
+        if proposal.tokens:
+            stats.num_drafts += 1
+            stats.num_draft_tokens += len(proposal.tokens)
+            stats.num_accepted_tokens += verdict.num_accepted
+        if speculation is not None:
+            speculation.proposer.accepted(context)
+            speculation.length.record(len(proposal.tokens), verdict.num_accepted)
+        remaining -= len(new_tokens)
+        yield new_tokens
+
+
+def _verify(
+    proposal: Proposal, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> Verdict:
+    if params.greedy:
+        return verify_greedy(proposal.tokens, logits)
+    return verify_sampled(proposal.tokens, proposal.probs, probabilities(logits, params), generator)

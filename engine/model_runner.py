@@ -1,0 +1,39 @@
+"""One causal LM with its own KV cache, for batch size one.
+
+The cache always holds the keys and values of a prefix of the sequence; ``truncate`` is the
+exact rollback after a rejected proposal (the rejected positions are simply dropped).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.device = model.device
+        self.cache = DynamicCache(config=model.config)
+
+    @property
+    def length(self) -> int:
+        """Number of positions whose keys and values are cached."""
+        return self.cache.get_seq_length()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+
+    def truncate(self, length: int) -> None:
+        excess = self.length - length
+        if excess < 0:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        if excess:
+            self.cache.crop(-excess)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int]) -> torch.Tensor:
+        """Run ``token_ids`` after the cached prefix; returns float32 logits ``[len, vocab]``."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True)
+        return out.logits[0].float()

@@ -1,0 +1,57 @@
+"""A small draft model proposes k tokens autoregressively with its own KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model_runner import ModelRunner
+from engine.proposers.base import Proposal
+from engine.sampling import probabilities, sample
+from engine.types import Method, SamplingParams
+
+
+class DraftModelProposer:
+    method: Method = "draft"
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        # Token ids whose keys and values the draft cache holds, position for position.
+        self.cached: list[int] = []
+        # Length of the committed context at the last proposal: the cache agrees up to here.
+        self.agreed = 0
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.runner.reset()
+        self.cached = []
+        self.agreed = 0
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        # Feed whatever of the context the cache lacks (the last token, plus any accepted
+        # tokens the draft never saw), then extend one token at a time.
+        pending = context[len(self.cached) :]
+        self.agreed = len(context)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self.runner.forward(pending)[-1]
+            self.cached.extend(pending)
+            if params.greedy:
+                token = int(logits.argmax().item())
+            else:
+                q = probabilities(logits, params)
+                token = sample(q, generator)
+                rows.append(q)
+            tokens.append(token)
+            pending = [token]
+        return Proposal(tokens, torch.stack(rows) if rows else None)
+
+    def accepted(self, context: list[int]) -> None:
+        # Keep the cached prefix that agrees with the committed context; drop the rest.
+        keep = min(self.agreed, len(self.cached))
+        limit = min(len(self.cached), len(context))
+        while keep < limit and self.cached[keep] == context[keep]:
+            keep += 1
+        self.runner.truncate(keep)
+        del self.cached[keep:]

@@ -1,0 +1,44 @@
+"""Prompt lookup decoding: find the latest earlier occurrence of the sequence's last n tokens
+(n from ``max_n`` down to ``min_n``) and propose the tokens that followed it."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.proposers.base import Proposal
+from engine.types import Method, SamplingParams
+
+
+def lookup(context: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Continuation of the most recent earlier match of the longest suffix n-gram."""
+    size = len(context)
+    if size < 2 or k < 1:
+        return []
+    ids = torch.tensor(context, dtype=torch.long)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        # Windows starting before the suffix itself: starts 0 .. size-n-1.
+        windows = ids[: size - 1].unfold(0, n, 1)
+        hits = (windows == ids[size - n :]).all(dim=1).nonzero()
+        if len(hits):
+            start = int(hits[-1].item()) + n
+            return context[start : start + k]
+    return []
+
+
+class NgramProposer:
+    method: Method = "ngram"
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def start(self, prompt_ids: list[int]) -> None:
+        return None
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        return Proposal(lookup(context, k, self.min_n, self.max_n))
+
+    def accepted(self, context: list[int]) -> None:
+        return None

@@ -1,0 +1,364 @@
+"""The engine as a service: load models once, take requests from many callers through a
+bounded queue, and serve them in turn on one worker thread that owns the KV caches.
+
+One worker means no two requests can ever share or corrupt a cache; the queue bound turns
+overload into an immediate ``QueueFullError`` instead of unbounded latency.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.adaptive import FallbackMonitor, SpeculationLength
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.decoding import Speculation, decode, prefill
+from engine.loading import check_draft_compatible, load_model, load_tokenizer, pick_device
+from engine.model_runner import ModelRunner
+from engine.output import OutputAssembler
+from engine.proposers import DraftModelProposer, NgramProposer, Proposer
+from engine.types import (
+    EngineClosedError,
+    FallbackEvent,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    InvalidRequestError,
+    Method,
+    MethodUnavailableError,
+    PromptTooLongError,
+    QueueFullError,
+    StreamDelta,
+)
+from engine.versioning import model_version
+
+_tracer = trace.get_tracer("specgate.engine")
+
+# K for seeded sampling requests that leave it open: adaptive K depends on timing and on
+# other requests, so a seeded request pins its method and K to stay reproducible.
+SEEDED_DEFAULT_K = 4
+
+FallbackListener = Callable[[FallbackEvent], None]
+
+
+class RequestHandle:
+    """A submitted request: iterate for streamed deltas, or call ``result()``."""
+
+    def __init__(self, request: GenerationRequest, submitted_at: float) -> None:
+        self.request = request
+        self.submitted_at = submitted_at
+        self.otel_context = otel_context.get_current()
+        self._deltas: queue.Queue[StreamDelta | BaseException] = queue.Queue()
+        self._cancelled = threading.Event()
+        self._token_ids: list[int] = []
+        self._text: list[str] = []
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def put(self, item: StreamDelta | BaseException) -> None:
+        self._deltas.put(item)
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        while True:
+            item = self._deltas.get()
+            if isinstance(item, BaseException):
+                raise item
+            self._token_ids.extend(item.token_ids)
+            self._text.append(item.text)
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    def result(self) -> GenerationResult:
+        last: StreamDelta | None = None
+        for last in self:
+            pass
+        if last is None or last.finish_reason is None or last.stats is None:
+            raise RuntimeError("request ended without a final delta")
+        return GenerationResult(
+            tuple(self._token_ids), "".join(self._text), last.finish_reason, last.stats
+        )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    speculation: Speculation | None
+    method: Method
+    fallback_active: bool
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        target: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        target_version: str,
+        draft: PreTrainedModel | None = None,
+        draft_version: str | None = None,
+        on_fallback: FallbackListener | None = None,
+    ) -> None:
+        self.config = config
+        self.speculative_config: SpeculativeConfig = config.speculative
+        self.tokenizer = tokenizer
+        self.model_name = config.served_model_name or config.target.name
+        self.target_version = target_version
+        self.draft_name = config.draft.name if draft is not None and config.draft else None
+        self.draft_version = draft_version
+        self.max_context = int(getattr(target.config, "max_position_embeddings", 2048))
+        self.vocab_size = int(target.config.vocab_size)
+        self.device = target.device
+        self.target_dtype = target.dtype
+        self._target = ModelRunner(target)
+        spec = config.speculative
+        self._proposers: dict[Method, Proposer] = {
+            "ngram": NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        }
+        if draft is not None:
+            self._proposers["draft"] = DraftModelProposer(ModelRunner(draft))
+        self.available_methods: tuple[Method, ...] = ("none", *self._proposers)
+        self._eos = _eos_ids(target, tokenizer)
+        self._listener = on_fallback
+        self._monitor = FallbackMonitor(
+            self.model_name,
+            spec.acceptance_threshold,
+            spec.window_tokens,
+            spec.probe_interval_requests,
+            on_fallback,
+        )
+        self._load_shedding = False
+        self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=config.max_queue)
+        self._closed = False
+        self._worker = threading.Thread(target=self._serve, name="specgate-engine", daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def load(cls, config: EngineConfig, on_fallback: FallbackListener | None = None) -> Engine:
+        """Load target (and draft) from local directories and start the worker."""
+        device = pick_device(config.device)
+        tokenizer = load_tokenizer(config.target)
+        target = load_model(config.target, device, config.dtype)
+        draft = draft_version = None
+        if config.draft is not None:
+            draft_tokenizer = load_tokenizer(config.draft)
+            draft = load_model(config.draft, device, config.dtype)
+            check_draft_compatible(
+                tokenizer, draft_tokenizer, draft.config.vocab_size, target.config.vocab_size
+            )
+            draft_version = model_version(config.draft)
+        return cls(
+            config, target, tokenizer, model_version(config.target), draft, draft_version, on_fallback
+        )
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def fallback_state(self) -> dict[Method, bool]:
+        disabled = self._monitor.disabled_methods()
+        return {method: method in disabled for method in self._proposers}
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        if self._closed:
+            raise EngineClosedError("engine is shut down")
+        self._validate(request)
+        handle = RequestHandle(request, time.perf_counter())
+        try:
+            self._queue.put_nowait(handle)
+        except queue.Full:
+            raise QueueFullError(
+                f"request queue is full ({self.config.max_queue} waiting); retry later"
+            ) from None
+        return handle
+
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        return self.submit(request).result()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._worker.join(timeout=30)
+
+    def _validate(self, request: GenerationRequest) -> None:
+        params = request.sampling
+        if not request.prompt_ids:
+            raise InvalidRequestError("prompt must contain at least one token", "prompt")
+        if any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
+            raise InvalidRequestError(
+                f"prompt token ids must lie in [0, {self.vocab_size})", "prompt"
+            )
+        if params.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be at least 1", "max_tokens")
+        if params.temperature < 0:
+            raise InvalidRequestError("temperature must not be negative", "temperature")
+        if not 0.0 < params.top_p <= 1.0:
+            raise InvalidRequestError("top_p must lie in (0, 1]", "top_p")
+        if params.top_k < 0:
+            raise InvalidRequestError("top_k must not be negative", "top_k")
+        needed = len(request.prompt_ids) + params.max_tokens
+        if needed > self.max_context:
+            raise PromptTooLongError(
+                f"this model's context window is {self.max_context} tokens; the prompt has "
+                f"{len(request.prompt_ids)} tokens and max_tokens asks for {params.max_tokens}",
+                "messages",
+            )
+        choice = request.speculative
+        if choice.method is not None and choice.method not in self.available_methods:
+            raise MethodUnavailableError(
+                f"speculative method {choice.method!r} is not loaded; available: "
+                f"{', '.join(self.available_methods)}",
+                "speculative",
+            )
+        k = choice.num_speculative_tokens
+        if k is not None and not 1 <= k <= 16:
+            raise InvalidRequestError(
+                "num_speculative_tokens must lie in [1, 16]", "speculative.num_speculative_tokens"
+            )
+
+    def _serve(self) -> None:
+        while True:
+            handle = self._queue.get()
+            if handle is None:
+                return
+            if handle.cancelled:
+                continue
+            token = otel_context.attach(handle.otel_context)
+            try:
+                self._run(handle)
+            except Exception as exc:  # delivered to the caller, never kills the worker
+                handle.put(exc)
+            finally:
+                otel_context.detach(token)
+
+    def _plan(self, request: GenerationRequest) -> _Plan:
+        spec = self.speculative_config
+        method: Method = request.speculative.method or spec.method
+        if method == "none":
+            return _Plan(None, "none", False)
+        params = request.sampling
+        pinned = not params.greedy and params.seed is not None
+        fixed_k = request.speculative.num_speculative_tokens or spec.num_speculative_tokens
+        if pinned:
+            fixed_k = fixed_k or SEEDED_DEFAULT_K
+        elif self._shed_load() or not self._monitor.admit(method):
+            return _Plan(None, method, True)
+        prior, _ = self._monitor.rate(method)
+        length = SpeculationLength(
+            spec.max_speculative_tokens, prior_alpha=prior, proposal_cost=method == "draft"
+        )
+        return _Plan(Speculation(self._proposers[method], fixed_k, length), method, False)
+
+    def _shed_load(self) -> bool:
+        """Step down to plain decoding while too many requests wait (vLLM's batch-size rule)."""
+        limit = self.speculative_config.disable_by_queue_depth
+        if limit is None:
+            return False
+        depth = self.queue_depth
+        shedding = depth >= limit
+        if shedding != self._load_shedding:
+            self._load_shedding = shedding
+            if self._listener is not None:
+                method = self.speculative_config.method
+                rate, tokens = self._monitor.rate(method)
+                self._listener(
+                    FallbackEvent(
+                        method=method,
+                        model=self.model_name,
+                        action="disabled" if shedding else "enabled",
+                        reason=f"queue depth {depth} {'>=' if shedding else '<'} limit {limit}",
+                        acceptance_rate=rate,
+                        window_tokens=tokens,
+                        threshold=self.speculative_config.acceptance_threshold,
+                    )
+                )
+        return shedding
+
+    def _run(self, handle: RequestHandle) -> None:
+        request = handle.request
+        params = request.sampling
+        plan = self._plan(request)
+        stats = GenerationStats(
+            method=plan.method,
+            num_prompt_tokens=len(request.prompt_ids),
+            fallback_active=plan.fallback_active,
+        )
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        prompt = list(request.prompt_ids)
+        output = OutputAssembler(self.tokenizer, params, prompt, self._eos)
+
+        with _tracer.start_as_current_span("specgate.prefill") as span:
+            span.set_attribute("specgate.prompt_tokens", len(prompt))
+            prefill(self._target, prompt)
+        with _tracer.start_as_current_span("specgate.decode") as span:
+            steps = decode(self._target, prompt, params, generator, stats, plan.speculation)
+            for tokens in steps:
+                if handle.cancelled:
+                    break
+                piece = output.add(tokens)
+                if not stats.time_to_first_token_s:
+                    stats.time_to_first_token_s = time.perf_counter() - handle.submitted_at
+                stats.num_output_tokens = len(output.token_ids)
+                if piece.finish_reason is not None:
+                    stats.total_time_s = time.perf_counter() - handle.submitted_at
+                    handle.put(StreamDelta(piece.text, tuple(piece.token_ids), piece.finish_reason, stats))
+                    break
+                if piece.token_ids or piece.text:
+                    handle.put(StreamDelta(piece.text, tuple(piece.token_ids)))
+            steps.close()
+            _annotate(span, stats)
+        if plan.speculation is not None:
+            self._monitor.record(plan.method, stats.num_draft_tokens, stats.num_accepted_tokens)
+
+
+def _annotate(span: trace.Span, stats: GenerationStats) -> None:
+    span.set_attributes(
+        {
+            "specgate.speculative.method": stats.method,
+            "specgate.speculative.num_draft_tokens": stats.num_draft_tokens,
+            "specgate.speculative.num_accepted_tokens": stats.num_accepted_tokens,
+            "specgate.speculative.acceptance_rate": stats.acceptance_rate,
+            "specgate.speculative.num_target_passes": stats.num_target_passes,
+            "specgate.speculative.fallback_active": stats.fallback_active,
+            "specgate.output_tokens": stats.num_output_tokens,
+        }
+    )
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids: set[int] = set()
+    generation = getattr(model, "generation_config", None)
+    configured = getattr(generation, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(int(i) for i in configured)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def load_engine(
+    target: Path,
+    draft: Path | None = None,
+    on_fallback: FallbackListener | None = None,
+    **config: object,
+) -> Engine:
+    """Shorthand for ``Engine.load(EngineConfig(target=..., draft=..., **config))``."""
+    return Engine.load(EngineConfig(target=target, draft=draft, **config), on_fallback)  # type: ignore[arg-type]
