@@ -36,7 +36,7 @@ def prefill(target: ModelRunner, prompt: list[int]) -> None:
     """Cache the prompt minus its last token; the first decode pass feeds that token."""
     target.reset()
     if len(prompt) > 1:
-        target.forward(prompt[:-1])
+        target.forward(prompt[:-1], last_only=True)
 
 
 def decode(

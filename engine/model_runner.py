@@ -32,8 +32,12 @@ class ModelRunner:
             self.cache.crop(-excess)
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int]) -> torch.Tensor:
-        """Run ``token_ids`` after the cached prefix; returns float32 logits ``[len, vocab]``."""
+    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
+        """Run ``token_ids`` after the cached prefix; returns float32 logits ``[len, vocab]``,
+        or ``[1, vocab]`` for the last position only (prefill and drafting need no more, and a
+        long prompt's full logits would cost gigabytes)."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True)
+        out = self.model(
+            input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0
+        )
         return out.logits[0].float()

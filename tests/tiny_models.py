@@ -62,3 +62,19 @@ def build_pair(root: Path, *, draft_seed: int = 1) -> tuple[Path, Path]:
     target = build_model(root / "target", tokenizer, seed=0, hidden=64, layers=2)
     draft = build_model(root / "draft", tokenizer, seed=draft_seed, hidden=32, layers=1)
     return target, draft
+
+
+def build_noisy_copy(source: Path, out: Path, *, noise: float, seed: int = 7) -> Path:
+    """A draft that mostly agrees with ``source``: its weights plus Gaussian noise.
+
+    ``noise`` is relative to each tensor's standard deviation; 0 gives an exact copy, whose
+    proposals the target always accepts.
+    """
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * param.std() * noise)
+    model.save_pretrained(out)
+    PreTrainedTokenizerFast.from_pretrained(source).save_pretrained(out)
+    return out

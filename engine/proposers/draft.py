@@ -35,7 +35,7 @@ class DraftModelProposer:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(k):
-            logits = self.runner.forward(pending)[-1]
+            logits = self.runner.forward(pending, last_only=True)[-1]
             self.cached.extend(pending)
             if params.greedy:
                 token = int(logits.argmax().item())

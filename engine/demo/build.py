@@ -1,0 +1,227 @@
+"""``specgate models build-demo``: tokenizer, target and distilled draft, saved in HF format.
+
+The full build is sized for about half an hour on two CPU cores. The target is a deep,
+narrow Llama: at this size a CPU decoding step costs about the same for one new token as for
+five (per-layer overhead and memory traffic dominate), which is the regime where verifying
+several proposed tokens in one pass pays. The draft is the same width with one layer,
+started from the target's first layer and head and distilled from the target.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from engine.demo.corpus import Corpus, load_corpus
+from engine.demo.tokenizer import train_tokenizer
+from engine.demo.training import (
+    ModelShape,
+    Schedule,
+    TokenStream,
+    count_parameters,
+    distill_draft,
+    greedy_agreement,
+    held_out_loss,
+    init_draft_from_target,
+    llama_config,
+    train_language_model,
+)
+
+END_OF_TURN = "<|end|>"
+SAMPLE_PROMPT = "def "
+LOSS_LOG_EVERY = 10
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    vocab_size: int
+    max_positions: int
+    target: ModelShape
+    draft_layers: int
+    target_schedule: Schedule
+    draft_schedule: Schedule
+    eval_windows: int
+    max_files: int | None
+    seed: int = 1234
+
+
+FULL = BuildSpec(
+    vocab_size=4096,
+    max_positions=1024,
+    target=ModelShape(hidden=384, layers=12, intermediate=1024, heads=6, kv_heads=2),
+    draft_layers=1,
+    target_schedule=Schedule(steps=880, batch_size=4, seq_len=512, lr=1.5e-3, warmup_steps=40),
+    draft_schedule=Schedule(steps=340, batch_size=8, seq_len=512, lr=1e-3, warmup_steps=20),
+    eval_windows=24,
+    max_files=None,
+)
+
+QUICK = BuildSpec(
+    vocab_size=384,
+    max_positions=256,
+    target=ModelShape(hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2),
+    draft_layers=1,
+    target_schedule=Schedule(steps=8, batch_size=2, seq_len=64, lr=3e-3, warmup_steps=2),
+    draft_schedule=Schedule(steps=8, batch_size=2, seq_len=64, lr=3e-3, warmup_steps=2),
+    eval_windows=2,
+    max_files=40,
+)
+
+
+class _PhaseTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = round(time.perf_counter() - start, 2)
+
+
+def _token_stream(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> TokenStream:
+    ids: list[int] = []
+    eos = tokenizer.eos_token_id
+    for encoded in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids.extend(encoded)
+        ids.append(eos)
+    return TokenStream(torch.tensor(ids, dtype=torch.long))
+
+
+def _generation_config(tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
+    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    return GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[tokenizer.eos_token_id, end_of_turn],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _save(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path, dtype: torch.dtype
+) -> None:
+    model.generation_config = _generation_config(tokenizer)
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+@torch.inference_mode()
+def _greedy_sample(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, tokens: int) -> str:
+    prompt = tokenizer(SAMPLE_PROMPT, return_tensors="pt", add_special_tokens=False)
+    output = model.generate(**prompt, max_new_tokens=tokens, do_sample=False)
+    return str(tokenizer.decode(output[0], skip_special_tokens=True))
+
+
+def _loss_logger(progress: Progress, task: int, log: list[float]) -> Callable[[int, float], None]:
+    window: list[float] = []
+
+    def on_step(step: int, loss: float) -> None:
+        window.append(loss)
+        if len(window) == LOSS_LOG_EVERY:
+            log.append(round(sum(window) / len(window), 4))
+            window.clear()
+        progress.update(task, advance=1, loss=loss)
+
+    return on_step
+
+
+def build_demo(out: Path, spec: BuildSpec, *, show_progress: bool = True) -> dict[str, object]:
+    """Build the pair into ``out/target`` and ``out/draft``; returns (and writes) the manifest."""
+    started = time.perf_counter()
+    torch.manual_seed(spec.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    timer = _PhaseTimer()
+    out.mkdir(parents=True, exist_ok=True)
+
+    with timer.phase("corpus"):
+        corpus: Corpus = load_corpus(max_files=spec.max_files)
+    with timer.phase("tokenizer"):
+        tokenizer = train_tokenizer((f.text for f in corpus.train), spec.vocab_size)
+        train_stream = _token_stream(tokenizer, [f.text for f in corpus.train])
+        eval_stream = _token_stream(tokenizer, [f.text for f in corpus.held_out])
+    eval_len = min(spec.target_schedule.seq_len + 1, len(eval_stream.tokens) // 2)
+    eval_windows = eval_stream.evenly_spaced_windows(spec.eval_windows, eval_len)
+
+    target = LlamaForCausalLM(llama_config(spec.target, tokenizer, spec.max_positions))
+    draft_shape = ModelShape(**{**asdict(spec.target), "layers": spec.draft_layers})
+    draft = LlamaForCausalLM(llama_config(draft_shape, tokenizer, spec.max_positions))
+    target_losses: list[float] = []
+    draft_losses: list[float] = []
+
+    columns = (
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(),
+    )
+    with Progress(*columns, disable=not show_progress) as progress:
+        target_task = progress.add_task("target", total=spec.target_schedule.steps, loss=0.0)
+        draft_task = progress.add_task("draft", total=spec.draft_schedule.steps, loss=0.0)
+        with timer.phase("target_training"):
+            train_language_model(
+                target, train_stream, spec.target_schedule, spec.seed,
+                _loss_logger(progress, target_task, target_losses),
+            )
+        teacher = LlamaForCausalLM(target.config)
+        teacher.load_state_dict(target.state_dict())
+        teacher.to(torch.bfloat16)
+        init_draft_from_target(draft, target)
+        with timer.phase("draft_distillation"):
+            distill_draft(
+                draft, teacher, train_stream, spec.draft_schedule, spec.seed + 1,
+                _loss_logger(progress, draft_task, draft_losses),
+            )
+
+    with timer.phase("evaluation"):
+        evaluation = {
+            "target_held_out_loss": round(held_out_loss(teacher, eval_windows), 4),
+            "draft_held_out_loss": round(held_out_loss(draft, eval_windows), 4),
+            "greedy_agreement": round(greedy_agreement(draft, teacher, eval_windows), 4),
+            "target_sample": _greedy_sample(teacher, tokenizer, 48),
+        }
+    with timer.phase("save"):
+        _save(teacher, tokenizer, out / "target", torch.bfloat16)
+        _save(draft, tokenizer, out / "draft", torch.float32)
+
+    manifest: dict[str, object] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "seed": spec.seed,
+        "torch_threads": torch.get_num_threads(),
+        "corpus": {
+            "train_files": len(corpus.train),
+            "held_out_files": [f.relative_path for f in corpus.held_out],
+            "train_chars": corpus.train_chars,
+            "train_tokens": len(train_stream.tokens),
+            "held_out_tokens": len(eval_stream.tokens),
+        },
+        "tokenizer": {"vocab_size": len(tokenizer)},
+        "target": {
+            "shape": asdict(spec.target),
+            "parameters": count_parameters(target),
+            "saved_dtype": "bfloat16",
+            "schedule": asdict(spec.target_schedule),
+            "tokens_seen": spec.target_schedule.tokens,
+            "train_loss_every_10_steps": target_losses,
+        },
+        "draft": {
+            "shape": draft_shape.__dict__,
+            "parameters": count_parameters(draft),
+            "saved_dtype": "float32",
+            "initialised_from": "target layers[:1], embeddings, final norm, lm_head",
+            "schedule": asdict(spec.draft_schedule),
+            "tokens_seen": spec.draft_schedule.tokens,
+            "distillation_kl_every_10_steps": draft_losses,
+        },
+        "evaluation": evaluation,
+        "seconds": {**timer.seconds, "total": round(time.perf_counter() - started, 2)},
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
