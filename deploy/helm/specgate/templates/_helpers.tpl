@@ -1,0 +1,138 @@
+{{/* Names and labels. */}}
+{{- define "specgate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "specgate.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "specgate.collectorName" -}}
+{{- printf "%s-otel-collector" (include "specgate.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "specgate.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels of one component: pass (dict "ctx" $ "component" "gateway"). */}}
+{{- define "specgate.labels" -}}
+helm.sh/chart: {{ include "specgate.chart" .ctx }}
+{{ include "specgate.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+{{- end }}
+
+{{/* The labels a component's selectors match on. */}}
+{{- define "specgate.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specgate.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* An image reference; a digest wins over a tag. Pass (dict "image" .Values.image "default" tag). */}}
+{{- define "specgate.imageRef" -}}
+{{- if .image.digest }}
+{{- printf "%s@%s" .image.repository .image.digest }}
+{{- else }}
+{{- printf "%s:%s" .image.repository (default .default .image.tag) }}
+{{- end }}
+{{- end }}
+
+{{- define "specgate.image" -}}
+{{- include "specgate.imageRef" (dict "image" .Values.image "default" .Chart.AppVersion) }}
+{{- end }}
+
+{{/* The OTLP endpoint Specgate exports to: the in-namespace collector when enabled. */}}
+{{- define "specgate.otlpEndpoint" -}}
+{{- if .Values.otelCollector.enabled }}
+{{- $port := ternary 4317 4318 (eq .Values.telemetry.otlpProtocol "grpc") }}
+{{- printf "http://%s.%s.svc:%d" (include "specgate.collectorName" .) .Release.Namespace $port }}
+{{- else }}
+{{- .Values.telemetry.otlpEndpoint }}
+{{- end }}
+{{- end }}
+
+{{/* The TCP port of a URL: explicit, else 443 for https and 80 for http. */}}
+{{- define "specgate.urlPort" -}}
+{{- $url := urlParse . }}
+{{- $hostPort := splitList ":" $url.host }}
+{{- if eq (len $hostPort) 2 }}
+{{- index $hostPort 1 }}
+{{- else if eq $url.scheme "https" }}
+{{- 443 }}
+{{- else }}
+{{- 80 }}
+{{- end }}
+{{- end }}
+
+{{/*
+Security contexts of the "restricted" Pod Security Standard, shared by every pod and
+container of the chart. The UID matches the image's user.
+*/}}
+{{- define "specgate.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "specgate.containerSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+allowPrivilegeEscalation: false
+privileged: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop:
+    - ALL
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* The writable data directory, which also holds caches (the root filesystem is read-only). */}}
+{{- define "specgate.dataEnv" -}}
+- name: SPECGATE_DATA_DIR
+  value: /var/lib/specgate
+- name: HOME
+  value: /var/lib/specgate
+- name: XDG_CACHE_HOME
+  value: /var/lib/specgate/cache
+{{- end }}
+
+{{/* Environment that gives a container the database URL from the operator's Secret. */}}
+{{- define "specgate.databaseEnv" -}}
+{{- $db := .Values.database }}
+{{- if $db.urlKey }}
+- name: SPECGATE_DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ $db.existingSecret }}
+      key: {{ $db.urlKey }}
+{{- else }}
+{{- /* libpq reads PGPASSWORD itself, so the password never has to be URL-encoded. */}}
+- name: PGPASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $db.existingSecret }}
+      key: {{ $db.passwordKey }}
+- name: SPECGATE_DATABASE_URL
+  value: {{ printf "postgresql+psycopg://%s@%s:%d/%s?sslmode=%s" $db.user $db.host (int $db.port) $db.name $db.sslmode | quote }}
+{{- end }}
+{{- if $db.caSecret }}
+- name: PGSSLROOTCERT
+  value: /var/run/secrets/specgate/database-ca/{{ $db.caKey }}
+{{- end }}
+{{- end }}

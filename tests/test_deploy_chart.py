@@ -1,0 +1,610 @@
+"""The Helm chart, linted, rendered and validated offline with Helm's own Go SDK.
+
+Every rendered manifest is checked against the Kubernetes API schema, and the properties an
+air-gapped platform team relies on are asserted on the rendered objects: the restricted Pod
+Security Standard, the NetworkPolicy rules, the migration hook and the values schema.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from gateway.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART_DIR = ROOT / "deploy" / "helm" / "specgate"
+PRODUCTION_VALUES = ROOT / "deploy" / "helm" / "values-production.yaml"
+KUBE_VERSION = kubernetes_validate.latest_version()
+RELEASE = "sg"
+NAMESPACE = "llm"
+FULLNAME = "sg-specgate"
+
+Manifest = dict[str, Any]
+
+# Extra values layered on the defaults: every optional component switched on.
+EVERYTHING_ON: dict[str, Any] = {
+    "otelCollector": {"enabled": True, "upstreamEndpoint": "http://tempo.tracing.svc:4318"},
+    "serviceMonitor": {"enabled": True},
+    "audit": {"bootstrapAdminKey": {"existingSecret": "specgate-bootstrap", "key": "admin-key"}},
+    "database": {"urlKey": "url"},
+    "models": {
+        "volume": {"csi": {"driver": "models.csi.example", "readOnly": True}},
+        "target": "llama",
+        "draft": "llama-draft",
+    },
+    "networkPolicy": {"egress": {"upstream": [{"ipBlock": {"cidr": "10.9.0.0/16"}}]}},
+}
+
+# Volume types the restricted Pod Security Standard admits.
+RESTRICTED_VOLUME_TYPES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+
+
+def production_values() -> dict[str, Any]:
+    values: dict[str, Any] = yaml.safe_load(PRODUCTION_VALUES.read_text())
+    return values
+
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "production": production_values(),
+    "everything-on": EVERYTHING_ON,
+}
+
+
+@pytest.fixture(scope="module")
+def chart() -> Iterator[helm.Chart]:
+    with helm.Chart.load(CHART_DIR) as loaded:
+        yield loaded
+
+
+def render(chart: helm.Chart, values: dict[str, Any]) -> list[Manifest]:
+    rendered = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return [
+        document
+        for path, text in sorted(rendered.items())
+        if path.endswith(".yaml")
+        for document in yaml.safe_load_all(text)
+        if document
+    ]
+
+
+@pytest.fixture(scope="module")
+def manifests(chart: helm.Chart) -> dict[str, list[Manifest]]:
+    return {name: render(chart, values) for name, values in VALUE_SETS.items()}
+
+
+def find(docs: list[Manifest], kind: str, name: str) -> Manifest:
+    matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind}/{name}, found {len(matches)}"
+    return matches[0]
+
+
+def pod_specs(docs: list[Manifest]) -> list[tuple[str, Manifest]]:
+    return [
+        (f"{d['kind']}/{d['metadata']['name']}", d["spec"]["template"]["spec"])
+        for d in docs
+        if d["kind"] in {"Deployment", "Job"}
+    ]
+
+
+def env_of(container: Manifest) -> dict[str, Manifest]:
+    return {item["name"]: item for item in container.get("env", [])}
+
+
+def container(docs: list[Manifest], name: str = "specgate") -> Manifest:
+    spec = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]
+    return next(c for c in spec["containers"] if c["name"] == name)
+
+
+def pods_of(component: str) -> Manifest:
+    """The NetworkPolicy peer that selects one component of this release."""
+    return {
+        "podSelector": {
+            "matchLabels": {
+                "app.kubernetes.io/name": "specgate",
+                "app.kubernetes.io/instance": RELEASE,
+                "app.kubernetes.io/component": component,
+            }
+        }
+    }
+
+
+def egress_ports(rule: Manifest) -> set[tuple[int | str, str]]:
+    return {(port["port"], port["protocol"]) for port in rule["ports"]}
+
+
+# --- lint and Kubernetes API validation ----------------------------------------------------
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_chart_lints_strictly(value_set: str) -> None:
+    report = helm.lint(
+        CHART_DIR,
+        VALUE_SETS[value_set],
+        strict=True,
+        namespace=NAMESPACE,
+        kube_version=f"v{KUBE_VERSION}",
+    )
+    assert report["errors"] == []
+    # Severity 1 is informational ("icon is recommended"); 2 and 3 are warnings and errors.
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_every_manifest_is_valid_for_current_kubernetes(
+    manifests: dict[str, list[Manifest]], value_set: str
+) -> None:
+    unvalidated = []
+    for document in manifests[value_set]:
+        try:
+            kubernetes_validate.validate(document, KUBE_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            unvalidated.append(document["kind"])
+    # Only the Prometheus operator's CRD lies outside the core API schema.
+    assert set(unvalidated) <= {"ServiceMonitor"}
+
+
+def test_each_value_set_renders_the_expected_objects(
+    manifests: dict[str, list[Manifest]],
+) -> None:
+    kinds = {name: sorted(d["kind"] for d in docs) for name, docs in manifests.items()}
+    assert kinds["default"] == sorted(
+        [
+            "ConfigMap",
+            "Deployment",
+            "Job",
+            "NetworkPolicy",
+            "NetworkPolicy",
+            "PodDisruptionBudget",
+            "Service",
+        ]
+    )
+    assert kinds["production"] == sorted([*kinds["default"], "ServiceMonitor"])
+    assert kinds["everything-on"] == sorted(
+        [*kinds["production"], "ConfigMap", "Deployment", "Service", "NetworkPolicy"]
+    )
+    for docs in manifests.values():
+        assert "Secret" not in {d["kind"] for d in docs}, "secrets are referenced, never created"
+
+
+# --- security context ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_every_pod_meets_the_restricted_pod_security_standard(
+    manifests: dict[str, list[Manifest]], value_set: str
+) -> None:
+    specs = pod_specs(manifests[value_set])
+    assert specs
+    for where, spec in specs:
+        assert spec["securityContext"]["runAsNonRoot"] is True, where
+        assert spec["securityContext"]["runAsUser"] == 10001, where
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        assert spec["automountServiceAccountToken"] is False, where
+        for key in ("hostNetwork", "hostPID", "hostIPC"):
+            assert key not in spec, where
+        volume_types = {key for volume in spec["volumes"] for key in volume if key != "name"}
+        assert volume_types <= RESTRICTED_VOLUME_TYPES, where
+        emptydirs = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            context = c["securityContext"]
+            assert context["runAsNonRoot"] is True, (where, c["name"])
+            assert context["allowPrivilegeEscalation"] is False, (where, c["name"])
+            assert context["privileged"] is False, (where, c["name"])
+            assert context["readOnlyRootFilesystem"] is True, (where, c["name"])
+            assert context["capabilities"] == {"drop": ["ALL"]}, (where, c["name"])
+            assert context["seccompProfile"] == {"type": "RuntimeDefault"}, (where, c["name"])
+            assert all("hostPort" not in port for port in c.get("ports", [])), where
+            # Whatever is mounted writable is scratch space, never the image or a secret.
+            writable = {m["name"] for m in c["volumeMounts"] if not m.get("readOnly")}
+            assert writable <= emptydirs, (where, c["name"])
+            assert "tmp" in writable, (where, c["name"])
+
+
+# --- NetworkPolicy ---------------------------------------------------------------------------
+
+
+def test_default_network_policy_admits_only_the_allowed_clients(
+    manifests: dict[str, list[Manifest]],
+) -> None:
+    policy = find(manifests["default"], "NetworkPolicy", FULLNAME)["spec"]
+    assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    assert policy["ingress"] == [
+        {
+            "from": [{"podSelector": {"matchLabels": {"specgate.io/client": "true"}}}],
+            "ports": [{"port": "http", "protocol": "TCP"}],
+        }
+    ]
+    dns, database = policy["egress"]
+    assert egress_ports(dns) == {(53, "UDP"), (53, "TCP")}
+    assert dns["to"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+        }
+    ]
+    assert egress_ports(database) == {(5432, "TCP")}
+
+
+def test_production_network_policy_allows_only_database_collector_and_dns(
+    manifests: dict[str, list[Manifest]],
+) -> None:
+    values = production_values()["networkPolicy"]
+    policy = find(manifests["production"], "NetworkPolicy", FULLNAME)["spec"]
+    assert len(policy["ingress"]) == 1
+    assert policy["ingress"][0]["from"] == values["ingress"]["from"]
+    assert policy["ingress"][0]["ports"] == [{"port": "http", "protocol": "TCP"}]
+    rules = {frozenset(egress_ports(rule)): rule.get("to") for rule in policy["egress"]}
+    assert rules == {
+        frozenset({(53, "UDP"), (53, "TCP")}): values["egress"]["dns"],
+        frozenset({(5432, "TCP")}): [{"ipBlock": {"cidr": "10.20.30.0/28"}}],
+        frozenset({(4318, "TCP")}): values["egress"]["collector"],
+    }
+
+
+def test_in_namespace_collector_is_the_only_telemetry_destination(
+    manifests: dict[str, list[Manifest]],
+) -> None:
+    docs = manifests["everything-on"]
+    collector_name = f"{FULLNAME}-otel-collector"
+    gateway_egress = find(docs, "NetworkPolicy", FULLNAME)["spec"]["egress"]
+    (telemetry,) = (r for r in gateway_egress if egress_ports(r) == {(4318, "TCP")})
+    assert telemetry["to"] == [pods_of("otel-collector")]
+    endpoint = env_of(container(docs))["SPECGATE_OTLP_ENDPOINT"]["value"]
+    assert endpoint == f"http://{collector_name}.{NAMESPACE}.svc:4318"
+
+    collector_policy = find(docs, "NetworkPolicy", collector_name)["spec"]
+    assert collector_policy["ingress"] == [
+        {
+            "from": [pods_of("gateway")],
+            "ports": [
+                {"port": "otlp-grpc", "protocol": "TCP"},
+                {"port": "otlp-http", "protocol": "TCP"},
+            ],
+        }
+    ]
+    dns, upstream = collector_policy["egress"]
+    assert egress_ports(dns) == {(53, "UDP"), (53, "TCP")}
+    assert egress_ports(upstream) == {(4318, "TCP")}
+    assert upstream["to"] == [{"ipBlock": {"cidr": "10.9.0.0/16"}}]
+
+    config = yaml.safe_load(find(docs, "ConfigMap", collector_name)["data"]["collector.yaml"])
+    assert config["exporters"] == {"otlphttp": {"endpoint": "http://tempo.tracing.svc:4318"}}
+    for pipeline in config["service"]["pipelines"].values():
+        assert pipeline["exporters"] == ["otlphttp"]
+
+
+def test_collector_without_upstream_exports_only_to_its_own_log(chart: helm.Chart) -> None:
+    docs = render(chart, {"otelCollector": {"enabled": True}})
+    name = f"{FULLNAME}-otel-collector"
+    config = yaml.safe_load(find(docs, "ConfigMap", name)["data"]["collector.yaml"])
+    assert config["exporters"] == {"debug": {"verbosity": "basic"}}
+    (dns,) = find(docs, "NetworkPolicy", name)["spec"]["egress"]
+    assert egress_ports(dns) == {(53, "UDP"), (53, "TCP")}
+
+
+# --- migrations hook ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_migrations_run_as_a_pre_install_and_pre_upgrade_hook(
+    manifests: dict[str, list[Manifest]], value_set: str
+) -> None:
+    docs = manifests[value_set]
+    job = find(docs, "Job", f"{FULLNAME}-db-upgrade")
+    assert job["metadata"]["annotations"] == {
+        "helm.sh/hook": "pre-install,pre-upgrade",
+        "helm.sh/hook-weight": "0",
+        "helm.sh/hook-delete-policy": "before-hook-creation,hook-succeeded",
+    }
+    spec = job["spec"]["template"]["spec"]
+    assert spec["restartPolicy"] == "Never"
+    (migrate,) = spec["containers"]
+    assert migrate["args"] == ["db", "upgrade", "--database-url", "$(SPECGATE_DATABASE_URL)"]
+    names = [item["name"] for item in migrate["env"]]
+    assert "SPECGATE_DATABASE_URL" in names  # defined in the env, so Kubernetes expands it
+
+    # Its NetworkPolicy exists before the Job (lower weight) and allows the database and DNS.
+    policy = find(docs, "NetworkPolicy", f"{FULLNAME}-db-upgrade")
+    annotations = policy["metadata"]["annotations"]
+    assert annotations["helm.sh/hook"] == "pre-install,pre-upgrade"
+    assert int(annotations["helm.sh/hook-weight"]) < int(
+        job["metadata"]["annotations"]["helm.sh/hook-weight"]
+    )
+    assert {"podSelector": policy["spec"]["podSelector"]} == pods_of("migrations")
+    assert job["spec"]["template"]["metadata"]["labels"].items() >= (
+        pods_of("migrations")["podSelector"]["matchLabels"].items()
+    )
+    assert policy["spec"]["ingress"] == []
+    assert [egress_ports(r) for r in policy["spec"]["egress"]] == [
+        {(53, "UDP"), (53, "TCP")},
+        {(5432, "TCP")},
+    ]
+    # The gateway leaves migrations to the hook.
+    assert env_of(container(docs))["SPECGATE_MIGRATE"]["value"] == "false"
+
+
+# --- the gateway Deployment -----------------------------------------------------------------
+
+
+def test_probes_allow_for_model_loading(manifests: dict[str, list[Manifest]]) -> None:
+    for value_set in ("default", "production"):
+        gateway = container(manifests[value_set])
+        assert gateway["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+        assert gateway["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+        startup = gateway["startupProbe"]
+        assert startup["httpGet"] == {"path": "/healthz", "port": "http"}
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60
+
+
+def test_production_deployment_requests_a_gpu_and_mounts_the_models(
+    manifests: dict[str, list[Manifest]],
+) -> None:
+    docs = manifests["production"]
+    values = production_values()
+    spec = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]
+    gateway = container(docs)
+    assert gateway["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert gateway["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert spec["nodeSelector"] == values["nodeSelector"]
+    assert spec["tolerations"] == values["tolerations"]
+    assert spec["affinity"] == values["affinity"]
+    assert "initContainers" not in spec
+    (models,) = (v for v in spec["volumes"] if v["name"] == "models")
+    assert models["persistentVolumeClaim"] == {"claimName": "specgate-models", "readOnly": True}
+    env = env_of(gateway)
+    assert env["SPECGATE_TARGET"]["value"] == "/models/llama-3.3-70b-instruct"
+    assert env["SPECGATE_DRAFT"]["value"] == "/models/llama-3.2-1b-instruct"
+    assert env["PGPASSWORD"]["valueFrom"] == {
+        "secretKeyRef": {"name": "specgate-database", "key": "password"}
+    }
+    assert env["SPECGATE_DATABASE_URL"]["value"] == (
+        "postgresql+psycopg://specgate@pg-ai.db.corp.internal:5432/specgate?sslmode=verify-full"
+    )
+    assert env["SPECGATE_BOOTSTRAP_ADMIN_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "specgate-bootstrap-admin", "key": "admin-key"}
+    }
+
+
+def test_database_ca_reaches_libpq_in_the_gateway_and_the_migration_job(
+    manifests: dict[str, list[Manifest]],
+) -> None:
+    docs = manifests["production"]
+    job = find(docs, "Job", f"{FULLNAME}-db-upgrade")["spec"]["template"]["spec"]
+    gateway = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]
+    for spec in (gateway, job):
+        c = next(c for c in spec["containers"] if c["name"] in {"specgate", "db-upgrade"})
+        assert env_of(c)["PGSSLROOTCERT"]["value"] == (
+            "/var/run/secrets/specgate/database-ca/ca.crt"
+        )
+        assert {
+            "name": "database-ca",
+            "mountPath": "/var/run/secrets/specgate/database-ca",
+            "readOnly": True,
+        } in c["volumeMounts"]
+        (volume,) = (v for v in spec["volumes"] if v["name"] == "database-ca")
+        assert volume["secret"]["secretName"] == "specgate-database-ca"
+    assert "PGSSLROOTCERT" not in env_of(container(manifests["default"]))
+
+
+def test_default_install_builds_and_serves_the_demo_pair(
+    manifests: dict[str, list[Manifest]],
+) -> None:
+    spec = find(manifests["default"], "Deployment", FULLNAME)["spec"]["template"]["spec"]
+    (build,) = spec["initContainers"]
+    assert build["args"] == ["models", "build-demo"]
+    assert "models" not in {v["name"] for v in spec["volumes"]}
+    assert "SPECGATE_TARGET" not in env_of(container(manifests["default"]))
+    # The demo pair lands in the cache under the shared data directory the server reads.
+    assert (
+        env_of(build)["XDG_CACHE_HOME"] == env_of(container(manifests["default"]))["XDG_CACHE_HOME"]
+    )
+
+
+def test_a_target_without_a_model_volume_is_refused(chart: helm.Chart) -> None:
+    with pytest.raises(helm.HelmError, match=r"models\.existingClaim or models\.volume"):
+        chart.render({"models": {"target": "llama"}}, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_database_url_can_come_whole_from_the_secret(
+    manifests: dict[str, list[Manifest]],
+) -> None:
+    env = env_of(container(manifests["everything-on"]))
+    assert "PGPASSWORD" not in env
+    assert env["SPECGATE_DATABASE_URL"]["valueFrom"] == {
+        "secretKeyRef": {"name": "specgate-database", "key": "url"}
+    }
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_images_come_only_from_the_configured_registry(
+    chart: helm.Chart, manifests: dict[str, list[Manifest]], value_set: str
+) -> None:
+    merged = chart.merge_values(copy.deepcopy(VALUE_SETS[value_set]))
+    allowed = {merged["image"]["repository"], merged["otelCollector"]["image"]["repository"]}
+    for where, spec in pod_specs(manifests[value_set]):
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            assert c["image"].rsplit(":", 1)[0] in allowed, (where, c["image"])
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_rendered_configuration_is_accepted_by_specgate_settings(
+    manifests: dict[str, list[Manifest]],
+    value_set: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ConfigMap plus the container's environment, as Kubernetes would resolve it, load
+    into ``Settings`` unchanged: the chart speaks the gateway's field names."""
+    docs = manifests[value_set]
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(find(docs, "ConfigMap", FULLNAME)["data"]["config.yaml"])
+    gateway = container(docs)
+    assert gateway["args"][:3] == ["serve", "--config", "/etc/specgate/config.yaml"]
+    # What the operator's Secrets and the downward API would supply.
+    supplied = {"SPECGATE_DATABASE_URL": "postgresql+psycopg://specgate:pw@db:5432/specgate"}
+    resolved: dict[str, str] = {}
+    for item in gateway["env"]:
+        value = item.get("value", supplied.get(item["name"], f"from-{item['name'].lower()}"))
+        resolved[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: resolved[m.group(1)], value)
+    for name, value in resolved.items():
+        monkeypatch.setenv(name, value)
+
+    loaded = load_settings(config_file, host="0.0.0.0", port=8000)
+
+    assert str(loaded.data_dir) == "/var/lib/specgate"
+    assert loaded.log_format == "json"
+    assert loaded.migrate is False
+    assert str(loaded.signing_key_path) == "/var/run/secrets/specgate/audit/signing-key.pem"
+    assert loaded.database_url == resolved["SPECGATE_DATABASE_URL"]
+    assert loaded.store_content is False
+
+
+def test_notes_tell_the_operator_how_to_create_the_first_admin_key(chart: helm.Chart) -> None:
+    notes = chart.render(name=RELEASE, namespace=NAMESPACE)["specgate/templates/NOTES.txt"]
+    assert (
+        f"kubectl -n {NAMESPACE} exec deploy/{FULLNAME} -c specgate --" in notes
+        and "specgate keys create --role admin --name ops-admin" in notes
+    )
+    assert f"rollout status deployment/{FULLNAME}" in notes
+    assert "/readyz" in notes
+
+
+# --- values schema -------------------------------------------------------------------------
+
+
+def leaves(values: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    if isinstance(values, dict) and values:
+        for key, value in values.items():
+            yield from leaves(value, (*path, key))
+    else:
+        yield path, values
+
+
+def nested(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    result: Any = value
+    for key in reversed(path):
+        result = {key: result}
+    assert isinstance(result, dict)
+    return result
+
+
+def wrong_type_for(value: Any) -> Any:
+    """A value of a JSON type that no scalar, list or map field of the chart accepts."""
+    return "not-a-list" if isinstance(value, list | dict) else [value]
+
+
+DEFAULT_LEAVES = [
+    (path, value)
+    for path, value in leaves(yaml.safe_load((CHART_DIR / "values.yaml").read_text()))
+    if value is not None
+]
+
+
+def test_default_values_satisfy_the_schema(chart: helm.Chart) -> None:
+    chart.validate_schema({})
+    chart.validate_schema(production_values())
+
+
+@pytest.mark.parametrize(
+    ("path", "value"), DEFAULT_LEAVES, ids=[".".join(p) for p, _ in DEFAULT_LEAVES]
+)
+def test_schema_rejects_a_wrong_type_for_every_value(
+    chart: helm.Chart, path: tuple[str, ...], value: Any
+) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(nested(path, wrong_type_for(value)))
+
+
+def strict_object_paths(schema: dict[str, Any]) -> list[tuple[tuple[str, ...], set[str]]]:
+    """Every values path whose object the schema closes, with the keys it allows."""
+    definitions = schema["definitions"]
+    found: list[tuple[tuple[str, ...], set[str]]] = []
+
+    def walk(node: dict[str, Any], path: tuple[str, ...]) -> None:
+        if "$ref" in node:
+            node = definitions[node["$ref"].rsplit("/", 1)[1]]
+        if node.get("additionalProperties") is False:
+            found.append((path, set(node["properties"])))
+        for key, child in node.get("properties", {}).items():
+            walk(child, (*path, key))
+
+    walk(schema, ())
+    return found
+
+
+STRICT_OBJECTS = strict_object_paths(yaml.safe_load((CHART_DIR / "values.schema.json").read_text()))
+
+
+def test_schema_closes_every_object_of_the_default_values() -> None:
+    closed = {path for path, _ in STRICT_OBJECTS}
+    free_form = {"requests", "limits"}  # resource names are Kubernetes', not the chart's
+    for path, _ in leaves(yaml.safe_load((CHART_DIR / "values.yaml").read_text())):
+        for depth in range(len(path)):
+            parent = path[:depth]
+            if not set(parent) & free_form:
+                assert parent in closed, f"{'.'.join(parent) or '<root>'} accepts unknown keys"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    target=st.sampled_from(STRICT_OBJECTS),
+    key=st.text(
+        alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_-", min_size=1, max_size=20
+    ),
+)
+def test_schema_rejects_any_unknown_key(target: tuple[tuple[str, ...], set[str]], key: str) -> None:
+    path, allowed = target
+    assume(key not in allowed)
+    with helm.Chart.load(CHART_DIR) as loaded, pytest.raises(helm.HelmValuesError):
+        loaded.validate_schema(nested((*path, key), "x"))
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"replicas": 2},
+        {"image": {"repo": "registry.internal/specgate"}},
+        {"networkPolicy": {"ingres": {"from": []}}},
+        {"config": {"database_url": "postgresql://user:secret@db/specgate"}},
+        {"config": {"method": "medusa"}},
+        {"gpu": {"count": "1"}},
+        {"database": {"port": 70000}},
+        {"image": {"digest": "sha256:abc"}},
+        {"otelCollector": {"upstreamEndpoint": "https://collector.vendor.example.com:4318"}},
+        {"models": {"volume": {"hostPath": {"path": "/srv/models"}}}},
+        {"models": {"target": "/models/llama"}},
+    ],
+    ids=str,
+)
+def test_schema_rejects_misspelt_keys_and_unsafe_values(
+    chart: helm.Chart, values: dict[str, Any]
+) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(values)
+
+
+def test_install_refuses_values_the_schema_rejects(chart: helm.Chart) -> None:
+    with pytest.raises(helm.HelmError, match="replicas"):
+        chart.render({"replicas": 2}, name=RELEASE, namespace=NAMESPACE)
