@@ -34,7 +34,9 @@ class _Ewma:
         self.value: float | None = None
 
     def update(self, sample: float) -> None:
-        self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
+        self.value = (
+            sample if self.value is None else self.value + self.weight * (sample - self.value)
+        )
 
 
 class SpeculationLength:

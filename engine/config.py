@@ -60,8 +60,12 @@ class EngineConfig(BaseModel):
     draft: Path | None = None
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     dtype: DType = "auto"
-    device: str | None = Field(default=None, description="cuda, cpu, ...; None picks CUDA if present.")
-    max_queue: int = Field(default=64, ge=1, description="Requests waiting beyond this get QueueFullError.")
+    device: str | None = Field(
+        default=None, description="cuda, cpu, ...; None picks CUDA if present."
+    )
+    max_queue: int = Field(
+        default=64, ge=1, description="Requests waiting beyond this get QueueFullError."
+    )
     served_model_name: str | None = None
 
     @model_validator(mode="after")
@@ -79,9 +83,17 @@ def speculative_config_from_vllm(
     Only the keys Specgate implements are accepted; anything else is an error that names it,
     so that an operator never believes a setting was carried over when it was not.
     """
-    obj: dict[str, Any] = json.loads(text_or_obj) if isinstance(text_or_obj, str) else dict(text_or_obj)
-    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-             "disable_by_batch_size"}
+    obj: dict[str, Any] = (
+        json.loads(text_or_obj) if isinstance(text_or_obj, str) else dict(text_or_obj)
+    )
+    known = {
+        "method",
+        "model",
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "disable_by_batch_size",
+    }
     unknown = sorted(set(obj) - known)
     if unknown:
         raise ValueError(f"unsupported --speculative-config keys: {', '.join(unknown)}")

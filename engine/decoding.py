@@ -8,7 +8,7 @@ token, which is fed together with the proposal in the next pass.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +46,7 @@ def decode(
     generator: torch.Generator,
     stats: GenerationStats,
     speculation: Speculation | None = None,
-) -> Iterator[list[int]]:
+) -> Generator[list[int], None, None]:
     """Yield the tokens committed by each target pass until ``params.max_tokens`` are out.
 
     The caller stops early (EOS, stop strings) simply by not asking for more.

@@ -6,7 +6,12 @@ import functools
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from engine.config import DType
 from engine.types import IncompatibleDraftError
@@ -50,7 +55,8 @@ def load_model(model_dir: Path, device: torch.device, dtype: DType) -> PreTraine
     """``from_pretrained`` from a local directory, then cast to the chosen dtype on ``device``."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     chosen = pick_dtype(dtype, device, model.num_parameters())
-    return model.to(device=device, dtype=chosen).eval()
+    torch.nn.Module.to(model, device=device, dtype=chosen)
+    return model.eval()
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
@@ -58,7 +64,9 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 
 
 def check_draft_compatible(
-    target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, draft_vocab_size: int,
+    target: PreTrainedTokenizerBase,
+    draft: PreTrainedTokenizerBase,
+    draft_vocab_size: int,
     target_vocab_size: int,
 ) -> None:
     """The draft must map every token id to the same token as the target does."""
@@ -71,8 +79,9 @@ def check_draft_compatible(
     if target_vocab != draft_vocab:
         only_target = sorted(set(target_vocab) - set(draft_vocab))
         only_draft = sorted(set(draft_vocab) - set(target_vocab))
-        remapped = sorted(t for t in set(target_vocab) & set(draft_vocab)
-                          if target_vocab[t] != draft_vocab[t])
+        remapped = sorted(
+            t for t in set(target_vocab) & set(draft_vocab) if target_vocab[t] != draft_vocab[t]
+        )
         problems.append(
             f"tokenizer vocabularies differ: {len(only_target)} tokens only in the target "
             f"(e.g. {only_target[:3]}), {len(only_draft)} only in the draft "
@@ -83,4 +92,6 @@ def check_draft_compatible(
         if t != d:
             problems.append(f"{name} {d} (draft) != {t} (target)")
     if problems:
-        raise IncompatibleDraftError("draft model is incompatible with the target: " + "; ".join(problems))
+        raise IncompatibleDraftError(
+            "draft model is incompatible with the target: " + "; ".join(problems)
+        )

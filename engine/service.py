@@ -86,8 +86,8 @@ class RequestHandle:
 
     def result(self) -> GenerationResult:
         last: StreamDelta | None = None
-        for last in self:
-            pass
+        for delta in self:
+            last = delta
         if last is None or last.finish_reason is None or last.stats is None:
             raise RuntimeError("request ended without a final delta")
         return GenerationResult(
@@ -162,7 +162,13 @@ class Engine:
             )
             draft_version = model_version(config.draft)
         return cls(
-            config, target, tokenizer, model_version(config.target), draft, draft_version, on_fallback
+            config,
+            target,
+            tokenizer,
+            model_version(config.target),
+            draft,
+            draft_version,
+            on_fallback,
         )
 
     @property
@@ -317,7 +323,9 @@ class Engine:
                 stats.num_output_tokens = len(output.token_ids)
                 if piece.finish_reason is not None:
                     stats.total_time_s = time.perf_counter() - handle.submitted_at
-                    handle.put(StreamDelta(piece.text, tuple(piece.token_ids), piece.finish_reason, stats))
+                    handle.put(
+                        StreamDelta(piece.text, tuple(piece.token_ids), piece.finish_reason, stats)
+                    )
                     break
                 if piece.token_ids or piece.text:
                     handle.put(StreamDelta(piece.text, tuple(piece.token_ids)))

@@ -152,7 +152,7 @@ class EngineError(Exception):
 
 
 class InvalidRequestError(EngineError):
-    """The request cannot be served as asked (the gateway answers 400). ``param`` names the field."""
+    """The request cannot be served as asked (the gateway answers 400); ``param`` names it."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)

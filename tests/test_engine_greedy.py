@@ -32,24 +32,33 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
 def engine(request: pytest.FixtureRequest, models: tuple[Path, Path, Path]) -> Iterator[Engine]:
     target, random_draft, close_draft = models
     draft = random_draft if request.param == "random_draft" else close_draft
-    eng = Engine.load(EngineConfig(target=target, draft=draft, dtype="float32", speculative=NO_FALLBACK))
+    eng = Engine.load(
+        EngineConfig(target=target, draft=draft, dtype="float32", speculative=NO_FALLBACK)
+    )
     yield eng
     eng.close()
 
 
-def run(engine: Engine, prompt: list[int], method: str, k: int | None, **sampling: object) -> tuple[int, ...]:
+def run(
+    engine: Engine, prompt: list[int], method: str, k: int | None, **sampling: object
+) -> tuple[int, ...]:
     params = SamplingParams(temperature=0.0, **sampling)  # type: ignore[arg-type]
     request = GenerationRequest(tuple(prompt), params, SpeculativeChoice(method, k))  # type: ignore[arg-type]
     return engine.generate(request).token_ids
 
 
-def test_plain_decoding_matches_transformers_generate(engine: Engine, models: tuple[Path, Path, Path]) -> None:
+def test_plain_decoding_matches_transformers_generate(
+    engine: Engine, models: tuple[Path, Path, Path]
+) -> None:
     model = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32)
     prompt = engine.tokenizer.encode("def add(a, b):\n")
     expected = model.generate(
-        torch.tensor([prompt]), max_new_tokens=30, do_sample=False, min_new_tokens=30,
+        torch.tensor([prompt]),
+        max_new_tokens=30,
+        do_sample=False,
+        min_new_tokens=30,
         pad_token_id=engine.tokenizer.pad_token_id,
-    )[0, len(prompt):].tolist()
+    )[0, len(prompt) :].tolist()
     assert list(run(engine, prompt, "none", None, max_tokens=30, ignore_eos=True)) == expected
 
 
@@ -59,7 +68,9 @@ repetitive = st.lists(st.integers(min_value=3, max_value=40), min_size=2, max_si
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     prompt=st.one_of(prompts, repetitive),
     method=st.sampled_from(["ngram", "draft"]),
@@ -75,7 +86,9 @@ def test_speculative_greedy_equals_plain(
     assert len(spec) == max_tokens
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     prompt=prompts,
     method=st.sampled_from(["ngram", "draft"]),
@@ -87,7 +100,9 @@ def test_speculative_greedy_stops_where_plain_stops(
     engine: Engine, prompt: list[int], method: str, k: int, stop_at: int, use_string: bool
 ) -> None:
     reference = engine.generate(
-        GenerationRequest(tuple(prompt), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        GenerationRequest(
+            tuple(prompt), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        )
     )
     sampling: dict[str, object] = {"max_tokens": 24, "ignore_eos": True}
     if use_string:
@@ -103,7 +118,11 @@ def test_speculative_greedy_stops_where_plain_stops(
     params = SamplingParams(temperature=0.0, **sampling)  # type: ignore[arg-type]
     plain = engine.generate(GenerationRequest(tuple(prompt), params))
     spec = engine.generate(GenerationRequest(tuple(prompt), params, SpeculativeChoice(method, k)))  # type: ignore[arg-type]
-    assert (spec.token_ids, spec.text, spec.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
+    assert (spec.token_ids, spec.text, spec.finish_reason) == (
+        plain.token_ids,
+        plain.text,
+        plain.finish_reason,
+    )
     assert plain.finish_reason == "stop"
     for stop in params.stop:
         assert stop not in plain.text

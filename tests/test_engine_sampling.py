@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -40,21 +39,29 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     target, _ = build_pair(root)
     draft = build_noisy_copy(target, root / "noisy", noise=0.5)
     config = EngineConfig(
-        target=target, draft=draft, dtype="float32",
-        speculative=SpeculativeConfig(method="draft", acceptance_threshold=0.0, prompt_lookup_max=3),
+        target=target,
+        draft=draft,
+        dtype="float32",
+        speculative=SpeculativeConfig(
+            method="draft", acceptance_threshold=0.0, prompt_lookup_max=3
+        ),
     )
     eng = Engine.load(config)
     yield eng
     eng.close()
 
 
-def next_token_probs(model: torch.nn.Module, contexts: list[list[int]], params: SamplingParams) -> torch.Tensor:
+def next_token_probs(
+    model: torch.nn.Module, contexts: list[list[int]], params: SamplingParams
+) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(torch.tensor(contexts)).logits[:, -1].float()
     return probabilities(logits, params)
 
 
-def exact_pair_distribution(engine: Engine, prompt: list[int], params: SamplingParams) -> dict[tuple[int, int], float]:
+def exact_pair_distribution(
+    engine: Engine, prompt: list[int], params: SamplingParams
+) -> dict[tuple[int, int], float]:
     model = engine._target.model
     first = next_token_probs(model, [prompt], params)[0]
     firsts = [t for t in range(len(first)) if first[t] > 1e-6]
@@ -81,8 +88,10 @@ def ngram_prompt(engine: Engine, params: SamplingParams) -> list[int]:
     raise AssertionError("no prompt with a partly accepted n-gram proposal")
 
 
-def chi_square_p_value(samples: Counter[tuple[int, int]], exact: dict[tuple[int, int], float]) -> float:
-    """Pearson's test over pairs; rare pairs pool by first token, rare first tokens pool together."""
+def chi_square_p_value(
+    samples: Counter[tuple[int, int]], exact: dict[tuple[int, int], float]
+) -> float:
+    """Pearson's test over pairs; rare pairs pool by first token, rare first tokens together."""
     total = sum(samples.values())
     pairs = {pair for pair, p in exact.items() if p * total >= 5}
     by_first: Counter[int] = Counter()
@@ -114,7 +123,9 @@ def chi_square_p_value(samples: Counter[tuple[int, int]], exact: dict[tuple[int,
     return float(chisquare(obs, exp, sum_check=False).pvalue)
 
 
-def draw(engine: Engine, prompt: list[int], params: SamplingParams, method: str) -> Counter[tuple[int, int]]:
+def draw(
+    engine: Engine, prompt: list[int], params: SamplingParams, method: str
+) -> Counter[tuple[int, int]]:
     counts: Counter[tuple[int, int]] = Counter()
     for seed in range(SAMPLES):
         request = GenerationRequest(
@@ -137,8 +148,12 @@ def test_draft_model_sampling_is_exact(engine: Engine, setting: str) -> None:
     p = next_token_probs(engine._target.model, [prompt], params)[0]
     q = next_token_probs(draft_model, [prompt], params)[0]
     distance = 0.5 * float((p - q).abs().sum())
-    assert 0.05 < distance < 0.95, f"draft too close to or too far from the target: TV {distance:.3f}"
-    p_value = chi_square_p_value(draw(engine, prompt, params, "draft"), exact_pair_distribution(engine, prompt, params))
+    assert 0.05 < distance < 0.95, (
+        f"draft too close to or too far from the target: TV {distance:.3f}"
+    )
+    p_value = chi_square_p_value(
+        draw(engine, prompt, params, "draft"), exact_pair_distribution(engine, prompt, params)
+    )
     assert p_value > SIGNIFICANCE
 
 
@@ -147,7 +162,9 @@ def test_draft_model_sampling_is_exact(engine: Engine, setting: str) -> None:
 def test_ngram_sampling_is_exact(engine: Engine, setting: str) -> None:
     params = SETTINGS[setting]
     prompt = ngram_prompt(engine, params)
-    p_value = chi_square_p_value(draw(engine, prompt, params, "ngram"), exact_pair_distribution(engine, prompt, params))
+    p_value = chi_square_p_value(
+        draw(engine, prompt, params, "ngram"), exact_pair_distribution(engine, prompt, params)
+    )
     assert p_value > SIGNIFICANCE
 
 
@@ -162,4 +179,6 @@ def test_the_chi_square_check_rejects_the_draft_distribution(engine: Engine) -> 
     q2 = next_token_probs(draft_model, [[*prompt, t] for t in firsts], params)
     seconds = torch.multinomial(q2, 1, generator=generator).flatten().tolist()
     samples = Counter(zip(firsts, seconds, strict=True))
-    assert chi_square_p_value(samples, exact_pair_distribution(engine, prompt, params)) < SIGNIFICANCE
+    assert (
+        chi_square_p_value(samples, exact_pair_distribution(engine, prompt, params)) < SIGNIFICANCE
+    )
