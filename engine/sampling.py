@@ -44,7 +44,7 @@ class Verdict:
 
 
 def verify_greedy(proposal: list[int], target_logits: torch.Tensor) -> Verdict:
-    """Accept while the proposal equals the target's argmax (``target_logits``: ``[k+1, vocab]``)."""
+    """Accept while the proposal equals the target's argmax (logits ``[k+1, vocab]``)."""
     best = target_logits.argmax(dim=-1).tolist()
     n = 0
     while n < len(proposal) and proposal[n] == best[n]:
