@@ -55,8 +55,8 @@ def next_token_probs(
     model: torch.nn.Module, contexts: list[list[int]], params: SamplingParams
 ) -> torch.Tensor:
     with torch.inference_mode():
-        logits = model(torch.tensor(contexts)).logits[:, -1].float()
-    return probabilities(logits, params)
+        logits = model(torch.tensor(contexts, device=model.device)).logits[:, -1].float()
+    return probabilities(logits, params).cpu()
 
 
 def exact_pair_distribution(

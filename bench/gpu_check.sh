@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, as one prepared script for a lent CUDA machine (< 5 minutes):
+# the lossless tests on CUDA (the engine picks CUDA when present), then the benchmark.
+# Usage: bash bench/gpu_check.sh   (from the repository root; writes into ${OUT:-bench/results})
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-bench/results}"
+mkdir -p "$OUT"
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+  .venv/bin/pip install --quiet --upgrade pip
+  # On the GPU machine take the CUDA build that the pinned version resolves to there.
+  .venv/bin/pip install --quiet "torch==2.13.0"
+  .venv/bin/pip install --quiet -e ".[dev]"
+fi
+.venv/bin/python - <<'PY' | tee "$OUT/gpu_device.txt"
+import torch
+print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
+PY
+# Lossless checks in float32 on CUDA: greedy token equality and chi-square exactness.
+timeout 150 .venv/bin/python -m pytest -q tests/test_engine_greedy.py tests/test_engine_sampling.py \
+  tests/test_engine_behaviour.py 2>&1 | tee "$OUT/gpu_lossless.txt"
+# Benchmark on the demo pair (built quickly when absent: --quick models only show the plumbing).
+DEMO="${SPECGATE_DEMO_DIR:-$HOME/.cache/specgate/demo}"
+if [ ! -d "$DEMO/target" ]; then
+  .venv/bin/specgate models build-demo --quick --out "$DEMO"
+fi
+timeout 120 .venv/bin/specgate bench --target "$DEMO/target" --draft "$DEMO/draft" --out "$OUT" \
+  --repeats 3 2>&1 | tee "$OUT/gpu_bench.txt"
