@@ -1,0 +1,1 @@
+"""Alembic migrations for Specgate's database; applied with ``specgate db upgrade``."""

@@ -1,0 +1,141 @@
+"""API keys: stored as hashes only, roles, revocation, every change audited; and the
+``specgate keys`` / ``specgate db`` commands."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from typer.testing import CliRunner
+
+from gateway.audit.log import AuditLog
+from gateway.audit.schema import api_keys
+from gateway.audit.signing import CheckpointSigner
+from gateway.db import make_db_engine, upgrade_database
+from gateway.keys import KeyStore, KeyStoreError
+from tests.audit_helpers import admin_cli
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "postgresql":
+        return str(request.getfixturevalue("pg_url"))
+    url = f"sqlite:///{tmp_path / 'keys.db'}"
+    upgrade_database(url)
+    return url
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[sa.Engine]:
+    engine = make_db_engine(db_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def audit(db: sa.Engine, tmp_path: Path) -> AuditLog:
+    return AuditLog(db, CheckpointSigner.load_or_create(tmp_path / "signing.pem"))
+
+
+def _key_events(audit: AuditLog) -> list[tuple[str | None, dict[str, str]]]:
+    lines = list(audit.export(None, None, "jsonl"))[:-1]
+    return [(e["actor"], e["payload"]) for e in map(json.loads, lines) if e["kind"] == "key"]
+
+
+def test_create_authenticate_revoke_with_audit_trail(db: sa.Engine, audit: AuditLog) -> None:
+    store = KeyStore(db, audit)
+    principal, plaintext = store.create("auditor", "eve", actor="cli:root")
+    assert plaintext.startswith("sg-") and len(plaintext) == 46
+    assert principal.role == "auditor" and principal.name == "eve"
+    assert store.authenticate(plaintext) == principal
+    assert store.authenticate(plaintext + "x") is None
+    assert store.list() == [principal]
+    with db.connect() as connection:
+        stored = connection.execute(sa.select(api_keys.c.key_hash)).scalar_one()
+    assert stored == hashlib.sha256(plaintext.encode()).hexdigest()
+
+    store.revoke("eve", actor="cli:root")
+    assert store.authenticate(plaintext) is None
+    assert store.list() == []
+    described = {"key_id": principal.key_id, "name": "eve", "role": "auditor"}
+    assert _key_events(audit) == [
+        ("cli:root", {"action": "created", **described}),
+        ("cli:root", {"action": "revoked", **described}),
+    ]
+    assert audit.verify().ok
+
+
+def test_names_are_unique_among_active_keys_only(db: sa.Engine, audit: AuditLog) -> None:
+    store = KeyStore(db, audit)
+    first, _ = store.create("app", "billing", actor="admin")
+    with pytest.raises(KeyStoreError, match="billing"):
+        store.create("app", "billing", actor="admin")
+    store.revoke(first.key_id, actor="admin")
+    second, _ = store.create("app", "billing", actor="admin")
+    assert store.list() == [second]
+    # The refused duplicate left no audit event behind.
+    assert [payload["action"] for _, payload in _key_events(audit)] == [
+        "created",
+        "revoked",
+        "created",
+    ]
+
+
+def test_bootstrap_plaintext_and_bad_input(db: sa.Engine, audit: AuditLog) -> None:
+    store = KeyStore(db, audit)
+    principal, plaintext = store.create("admin", "helm", actor="startup", plaintext="sg-given")
+    assert plaintext == "sg-given"
+    assert store.authenticate("sg-given") == principal
+    with pytest.raises(KeyStoreError, match="role"):
+        store.create("root", "x", actor="a")  # type: ignore[arg-type]
+    with pytest.raises(KeyStoreError, match="name"):
+        store.create("app", "", actor="a")
+    with pytest.raises(KeyStoreError, match="no active key"):
+        store.revoke("nobody", actor="a")
+
+
+def test_keys_cli_create_list_revoke(db_url: str, db: sa.Engine) -> None:
+    cli, runner = admin_cli(), CliRunner()
+    env = {"SPECGATE_DATABASE_URL": db_url}
+    created = runner.invoke(cli, ["keys", "create", "--role", "app", "--name", "crm"], env=env)
+    assert created.exit_code == 0, created.output
+    plaintext = created.stdout.strip()
+    store = KeyStore(db, AuditLog(db))
+    principal = store.authenticate(plaintext)
+    assert principal is not None and (principal.name, principal.role) == ("crm", "app")
+
+    listed = runner.invoke(cli, ["keys", "list", "--database-url", db_url])
+    assert listed.exit_code == 0
+    assert principal.key_id in listed.stdout and "crm" in listed.stdout
+    assert plaintext not in listed.stdout
+
+    bad_role = runner.invoke(cli, ["keys", "create", "--role", "root", "--name", "x"], env=env)
+    assert bad_role.exit_code == 2
+
+    revoked = runner.invoke(cli, ["keys", "revoke", principal.key_id], env=env)
+    assert revoked.exit_code == 0
+    assert store.authenticate(plaintext) is None
+    again = runner.invoke(cli, ["keys", "revoke", principal.key_id], env=env)
+    assert again.exit_code == 1
+    assert "no active key" in again.output
+    assert store.list() == []
+
+
+def test_db_upgrade_cli_creates_schema_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = f"sqlite:///{tmp_path / 'fresh' / 'audit.db'}"
+    result = CliRunner().invoke(admin_cli(), ["db", "upgrade", "--database-url", url])
+    assert result.exit_code == 0, result.output
+    engine = make_db_engine(url)
+    with engine.connect() as connection:
+        tables = set(sa.inspect(connection).get_table_names())
+        version = connection.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
+    engine.dispose()
+    assert {"audit_events", "api_keys"} <= tables
+    assert version == "0001"
