@@ -1,0 +1,1 @@
+"""Telemetry that stays inside the network: logs, traces, metrics, and the egress guard."""

@@ -1,0 +1,27 @@
+"""The audit log with telemetry: every append gets a span, a latency sample and, if it
+fails, a failure count. Subclassing keeps the audit code free of telemetry and catches
+every append (request, completion, fallback, export, checkpoint, startup) in one place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from gateway.audit.log import AppendedEvent, AuditLog
+from gateway.audit.signing import CheckpointSigner
+from gateway.observability.telemetry import Telemetry
+
+
+class ObservedAuditLog(AuditLog):
+    def __init__(
+        self, db: sa.Engine, signer: CheckpointSigner | None, telemetry: Telemetry
+    ) -> None:
+        super().__init__(db, signer)
+        self._telemetry = telemetry
+
+    def append(self, kind: str, actor: str | None, payload: dict[str, Any]) -> AppendedEvent:
+        with self._telemetry.audit_write(kind) as span:
+            appended = super().append(kind, actor, payload)
+            span.record(appended.seq, appended.event_id)
+        return appended

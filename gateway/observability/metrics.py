@@ -1,0 +1,206 @@
+"""Prometheus metrics, one dedicated registry per app so that apps never share counters.
+
+Label values are only ever route templates, status codes, model names, method names,
+fallback actions and audit event kinds: nothing a client writes reaches a label.
+The speculation counters follow vLLM's ``spec_decode`` counters, so that acceptance rate
+(accepted / draft tokens) and mean acceptance length (1 + accepted / drafts) follow
+from them in PromQL as they do for vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from engine.types import FallbackEvent, GenerationStats, Method
+
+REQUEST_DURATION_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+AUDIT_WRITE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """The gateway's metrics in their own :class:`CollectorRegistry`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "specgate_requests",
+            "HTTP requests by route template and status code.",
+            ["route", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "specgate_request_duration_seconds",
+            "HTTP request latency, until the last body byte.",
+            ["route"],
+            buckets=REQUEST_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "specgate_time_to_first_token_seconds",
+            "Time from engine submission to the first token.",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "specgate_generation_tokens",
+            "Completion tokens generated.",
+            ["model"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "specgate_prompt_tokens",
+            "Prompt tokens processed.",
+            ["model"],
+            registry=r,
+        )
+        spec_labels = ["method", "model"]
+        self.spec_drafts = Counter(
+            "specgate_spec_decode_num_drafts",
+            "Speculative steps (draft proposals verified).",
+            spec_labels,
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "specgate_spec_decode_num_draft_tokens",
+            "Draft tokens proposed.",
+            spec_labels,
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "specgate_spec_decode_num_accepted_tokens",
+            "Draft tokens accepted by the target.",
+            spec_labels,
+            registry=r,
+        )
+        self.target_passes = Counter(
+            "specgate_spec_decode_target_passes",
+            "Forward passes of the target model.",
+            spec_labels,
+            registry=r,
+        )
+        self.speculation_disabled = Gauge(
+            "specgate_speculation_disabled",
+            "1 while a method is switched off by fallback.",
+            spec_labels,
+            registry=r,
+        )
+        self.fallback_switches = Counter(
+            "specgate_fallback_switches",
+            "Fallback switches of a method off (disabled) or on (enabled).",
+            ["method", "model", "action"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "specgate_queue_depth",
+            "Requests waiting in the engine queue.",
+            registry=r,
+        )
+        self.audit_write_duration = Histogram(
+            "specgate_audit_write_duration_seconds",
+            "Latency of one audit append, by event kind.",
+            ["kind"],
+            buckets=AUDIT_WRITE_BUCKETS,
+            registry=r,
+        )
+        self.audit_write_failures = Counter(
+            "specgate_audit_write_failures",
+            "Audit appends that failed, by event kind.",
+            ["kind"],
+            registry=r,
+        )
+
+    def watch_engine(
+        self,
+        model: str,
+        methods: tuple[Method, ...],
+        queue_depth: Callable[[], int],
+        fallback_state: Callable[[], Mapping[Method, bool]],
+    ) -> None:
+        """Read queue depth and fallback state from the engine at each scrape.
+
+        Reading at scrape time keeps the gauges exact without any bookkeeping here.
+        """
+        self.queue_depth.set_function(lambda: float(queue_depth()))
+        for method in methods:
+            self.speculation_disabled.labels(method, model).set_function(
+                _disabled_flag(fallback_state, method)
+            )
+
+    def observe_request(self, route: str, status: int, duration_s: float) -> None:
+        self.requests.labels(route, str(status)).inc()
+        self.request_duration.labels(route).observe(duration_s)
+
+    def observe_generation(self, model: str, stats: GenerationStats) -> None:
+        """Count one finished generation: tokens, time to first token, speculation figures."""
+        self.prompt_tokens.labels(model).inc(stats.num_prompt_tokens)
+        self.generation_tokens.labels(model).inc(stats.num_output_tokens)
+        if stats.num_output_tokens:
+            self.time_to_first_token.labels(model).observe(stats.time_to_first_token_s)
+        self.target_passes.labels(stats.method, model).inc(stats.num_target_passes)
+        if stats.num_drafts:
+            self.spec_drafts.labels(stats.method, model).inc(stats.num_drafts)
+            self.spec_draft_tokens.labels(stats.method, model).inc(stats.num_draft_tokens)
+            self.spec_accepted_tokens.labels(stats.method, model).inc(stats.num_accepted_tokens)
+
+    def observe_fallback(self, event: FallbackEvent) -> None:
+        self.fallback_switches.labels(event.method, event.model, event.action).inc()
+
+    def observe_audit_write(self, kind: str, duration_s: float, *, failed: bool) -> None:
+        self.audit_write_duration.labels(kind).observe(duration_s)
+        if failed:
+            self.audit_write_failures.labels(kind).inc()
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format (``METRICS_CONTENT_TYPE``)."""
+        return generate_latest(self.registry)
+
+
+def _disabled_flag(
+    fallback_state: Callable[[], Mapping[Method, bool]], method: Method
+) -> Callable[[], float]:
+    return lambda: float(fallback_state().get(method, False))
