@@ -1,1 +1,91 @@
-# placeholder owned by the API work: defines serve()
+"""``specgate serve``: run the gateway. Flags win over ``SPECGATE_*`` variables, which win over
+the ``--config`` YAML file; with no flags at all it serves the demo pair with SQLite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def serve(
+    config: Annotated[
+        Path | None, typer.Option("--config", help="YAML file; keys are setting names.")
+    ] = None,
+    target: Annotated[
+        Path | None, typer.Option(help="Target model directory (default: demo pair).")
+    ] = None,
+    draft: Annotated[Path | None, typer.Option(help="Draft model directory.")] = None,
+    method: Annotated[
+        str | None, typer.Option(help="Default speculation: none, ngram or draft.")
+    ] = None,
+    num_speculative_tokens: Annotated[
+        int | None, typer.Option(help="Fixed K; unset lets the engine adapt K.")
+    ] = None,
+    speculative_config: Annotated[
+        str | None, typer.Option(help="vLLM-style --speculative-config JSON.")
+    ] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="Model id clients send.")] = None,
+    device: Annotated[
+        str | None, typer.Option(help="cuda, cpu, ... (default: CUDA if present).")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto, bfloat16, float16 or float32.")] = None,
+    database_url: Annotated[
+        str | None,
+        typer.Option(help="sqlite:///PATH or postgresql://... (default: SQLite in the data dir)."),
+    ] = None,
+    migrate: Annotated[
+        bool | None,
+        typer.Option("--migrate/--no-migrate", help="Run migrations on PostgreSQL at startup."),
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to bind (default 8000).")] = None,
+) -> None:
+    """Serve the OpenAI-compatible API with auditing."""
+    from gateway.settings import ConfigError, engine_config, load_settings
+
+    try:
+        settings = load_settings(
+            config,
+            target=target,
+            draft=draft,
+            method=method,
+            num_speculative_tokens=num_speculative_tokens,
+            speculative_config=speculative_config,
+            served_model_name=served_model_name,
+            device=device,
+            dtype=dtype,
+            database_url=database_url,
+            migrate=migrate,
+            host=host,
+            port=port,
+        )
+        engine_config(settings)
+    except ConfigError as error:
+        typer.echo(f"specgate serve: {error}", err=True)
+        raise typer.Exit(2) from None
+
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.observability.logging import configure_logging
+
+    configure_logging(
+        log_format=settings.log_format, level=settings.log_level, log_content=settings.log_content
+    )
+    try:
+        app = create_app(settings)
+    except ValueError as error:  # an egress refusal or an unusable telemetry setting
+        typer.echo(f"specgate serve: {error}", err=True)
+        raise typer.Exit(2) from None
+    # uvicorn's own logging config and access log are off: its lines go through structlog
+    # (same format, same redaction), and the request middleware logs each request with its ids.
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=None,
+        access_log=False,
+    )

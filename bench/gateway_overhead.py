@@ -1,0 +1,175 @@
+"""Latency the gateway adds to a request over calling the engine directly.
+
+    python -m bench.gateway_overhead [--target DIR --draft DIR] [--database-url URL]
+                                     [--requests 200] [--max-tokens 8] [--json FILE]
+
+Serves the real app with uvicorn on 127.0.0.1 (authentication, validation, chat template,
+the two audit commits, JSON over HTTP with a keep-alive client) and, in the same process,
+calls the same engine with the same prompt ids and sampling. Requests alternate between the
+two paths so that drift hits both alike; each pair gives one "added" figure (gateway minus
+direct). Greedy decoding without speculation keeps the engine's share identical per pair.
+Without ``--target`` the demo pair is used; without ``--database-url`` a scratch SQLite file.
+The 1-minute load average is reported with the figures: on a shared machine it explains most
+of the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from engine.service import Engine
+from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from gateway.app import create_app
+from gateway.dependencies import Services
+from gateway.settings import Settings, load_settings
+
+MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
+
+
+@dataclass
+class Percentiles:
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+
+
+@dataclass
+class OverheadResult:
+    requests: int
+    max_tokens: int
+    database: str
+    load_average_1m: float
+    direct: Percentiles
+    gateway: Percentiles
+    added: Percentiles
+
+
+def percentiles(samples_s: list[float]) -> Percentiles:
+    ordered = sorted(samples_s)
+    cut = statistics.quantiles(ordered, n=100, method="inclusive")
+    return Percentiles(
+        p50_ms=round(statistics.median(ordered) * 1e3, 3),
+        p99_ms=round(cut[98] * 1e3, 3),
+        mean_ms=round(statistics.fmean(ordered) * 1e3, 3),
+    )
+
+
+@contextmanager
+def serving(settings: Settings) -> Iterator[tuple[str, Services]]:
+    app = create_app(settings)
+    listener = socket.socket()
+    # Accepted sockets inherit this; without it Nagle's algorithm meets delayed ACKs and
+    # every keep-alive response waits ~40 ms (uvicorn sets it only on sockets it binds).
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    listener.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", app.state.services
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        listener.close()
+
+
+def measure(
+    base_url: str, engine: Engine, api_key: str, requests: int, max_tokens: int
+) -> tuple[list[float], list[float]]:
+    body = {
+        "model": engine.model_name,
+        "messages": MESSAGES,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "speculative": False,
+    }
+    template = engine.tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
+    direct_request = GenerationRequest(
+        prompt_ids=tuple(engine.tokenizer.encode(template, add_special_tokens=False)),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        speculative=SpeculativeChoice(method="none"),
+    )
+    direct: list[float] = []
+    through_gateway: list[float] = []
+    headers = {"authorization": f"Bearer {api_key}"}
+    with httpx.Client(base_url=base_url, headers=headers, timeout=60) as client:
+        for index in range(requests + 10):  # the first 10 pairs warm up
+            started = time.perf_counter()
+            engine.generate(direct_request)
+            direct_s = time.perf_counter() - started
+            started = time.perf_counter()
+            response = client.post("/v1/chat/completions", json=body)
+            gateway_s = time.perf_counter() - started
+            response.raise_for_status()
+            if response.json()["usage"]["completion_tokens"] != max_tokens:
+                raise RuntimeError("the gateway generated a different number of tokens")
+            if index >= 10:
+                direct.append(direct_s)
+                through_gateway.append(gateway_s)
+    return direct, through_gateway
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", type=Path)
+    parser.add_argument("--draft", type=Path)
+    parser.add_argument("--database-url")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="specgate-overhead-") as scratch:
+        settings = load_settings(
+            target=args.target,
+            draft=args.draft,
+            database_url=args.database_url or f"sqlite:///{scratch}/audit.db",
+            data_dir=Path(scratch),
+            checkpoint_interval_s=3600.0,
+            log_level="warning",
+        )
+        with serving(settings) as (base_url, services):
+            _, api_key = services.keys.create("app", "bench-gateway-overhead", "bench")
+            direct, through_gateway = measure(
+                base_url, services.engine, api_key, args.requests, args.max_tokens
+            )
+            services.keys.revoke("bench-gateway-overhead", "bench")
+    added = [gateway - engine for gateway, engine in zip(through_gateway, direct, strict=True)]
+    result = OverheadResult(
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        database=settings.public_snapshot()["database_url"].split(":", 1)[0],
+        load_average_1m=round(os.getloadavg()[0], 2),
+        direct=percentiles(direct),
+        gateway=percentiles(through_gateway),
+        added=percentiles(added),
+    )
+    print(json.dumps(asdict(result), indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(asdict(result), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The gateway application: ``create_app(settings)`` wires settings, audit log, keys and engine.
+
+Startup order matters for fail-closed auditing: the audit store is migrated and reachable
+and the `startup` event is committed before the first request can be served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import structlog
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+
+from engine.service import Engine
+from gateway.audit.log import AuditLog, AuditUnavailableError
+from gateway.audit.signing import CheckpointSigner
+from gateway.body_limit import BodySizeLimitMiddleware
+from gateway.db import make_db_engine, normalise_url, upgrade_database
+from gateway.dependencies import Services
+from gateway.errors import install_error_handlers
+from gateway.keys import KeyStore, KeyStoreError
+from gateway.observability.audit import ObservedAuditLog
+from gateway.observability.telemetry import Telemetry
+from gateway.recording import fallback_recorder, startup_payload
+from gateway.routes import admin, audit, completions, health, models
+from gateway.settings import ConfigError, Settings, engine_config
+
+log = structlog.get_logger(__name__)
+
+SYSTEM_ACTOR = "specgate"
+BOOTSTRAP_KEY_NAME = "bootstrap-admin"
+
+
+def _bootstrap_admin(settings: Settings, keys: KeyStore) -> None:
+    """Store the configured admin key (Helm's first-start path) unless it exists already."""
+    if settings.bootstrap_admin_key is None:
+        return
+    plaintext = settings.bootstrap_admin_key.get_secret_value()
+    if keys.authenticate(plaintext) is not None:
+        return
+    try:
+        keys.create("admin", BOOTSTRAP_KEY_NAME, SYSTEM_ACTOR, plaintext=plaintext)
+    except KeyStoreError as error:
+        raise ConfigError(
+            f"bootstrap_admin_key: cannot store it ({error}); revoke the old "
+            f"'{BOOTSTRAP_KEY_NAME}' key with `specgate keys revoke {BOOTSTRAP_KEY_NAME}`"
+        ) from error
+
+
+def start_services(settings: Settings, telemetry: Telemetry) -> Services:
+    """Migrate, open the audit log, load the models and record the `startup` event."""
+    url = normalise_url(settings.database_url)
+    if settings.migrate or url.startswith("sqlite"):
+        upgrade_database(url)
+    db = make_db_engine(url)
+    signer = CheckpointSigner.load_or_create(settings.signing_key_path)
+    audit_log = ObservedAuditLog(db, signer, telemetry)
+    keys = KeyStore(db, audit_log)
+    engine = Engine.load(
+        engine_config(settings),
+        on_fallback=telemetry.fallback_listener(fallback_recorder(audit_log)),
+    )
+    telemetry.watch_engine(engine)
+    try:
+        _bootstrap_admin(settings, keys)
+        audit_log.append("startup", SYSTEM_ACTOR, startup_payload(settings, engine))
+    except BaseException:
+        engine.close()
+        db.dispose()
+        raise
+    return Services(
+        settings=settings,
+        engine=engine,
+        audit=audit_log,
+        keys=keys,
+        signer=signer,
+        db=db,
+        telemetry=telemetry,
+    )
+
+
+async def _sign_checkpoints(audit_log: AuditLog, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await run_in_threadpool(audit_log.checkpoint)
+        except AuditUnavailableError as error:
+            log.warning("checkpoint_not_signed", error=str(error))
+
+
+def create_app(settings: Settings) -> FastAPI:
+    # The egress guard runs first: a refused telemetry endpoint stops startup here.
+    telemetry = Telemetry.start(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        services = await run_in_threadpool(start_services, settings, telemetry)
+        app.state.services = services
+        app.state.started_at = int(time.time())
+        checkpoints = asyncio.create_task(
+            _sign_checkpoints(services.audit, settings.checkpoint_interval_s)
+        )
+        log.info(
+            "gateway_started",
+            model=services.engine.model_name,
+            host=settings.host,
+            port=settings.port,
+        )
+        try:
+            yield
+        finally:
+            checkpoints.cancel()
+            app.state.services = None
+            await run_in_threadpool(services.engine.close)
+            services.db.dispose()
+            telemetry.shutdown()
+
+    # No /docs or /redoc: their pages load scripts from a public CDN.
+    app = FastAPI(
+        title="Specgate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
+    )
+    app.state.services = None
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    telemetry.instrument(app)
+    install_error_handlers(app)
+    for module in (completions, models, audit, admin, health):
+        app.include_router(module.router)
+    return app

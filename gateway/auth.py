@@ -1,0 +1,60 @@
+"""Bearer-key authentication and role checks, as FastAPI dependencies.
+
+Roles are exclusive by design: an ``auditor`` key reads the audit log and nothing else, an
+``app`` key generates and nothing else, an ``admin`` key manages keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Annotated
+
+from fastapi import Depends
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
+
+from gateway.dependencies import KeysDep
+from gateway.errors import APIError
+from gateway.keys import Principal, Role
+
+_bearer = HTTPBearer(auto_error=False)
+_CHALLENGE = {"www-authenticate": "Bearer"}
+
+
+async def authenticated(
+    keys: KeysDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    if credentials is None:
+        raise APIError(
+            401,
+            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+            code="missing_api_key",
+            headers=_CHALLENGE,
+        )
+    principal = await run_in_threadpool(keys.authenticate, credentials.credentials)
+    if principal is None:
+        raise APIError(
+            401, "Incorrect API key provided.", code="invalid_api_key", headers=_CHALLENGE
+        )
+    return principal
+
+
+def require_role(role: Role) -> Callable[[Principal], Awaitable[Principal]]:
+    async def check(principal: Annotated[Principal, Depends(authenticated)]) -> Principal:
+        if principal.role != role:
+            raise APIError(
+                403,
+                f"This endpoint needs a key with the '{role}' role; "
+                f"this key has '{principal.role}'.",
+                type="permission_error",
+                code="insufficient_role",
+            )
+        return principal
+
+    return check
+
+
+AppPrincipal = Annotated[Principal, Depends(require_role("app"))]
+AuditorPrincipal = Annotated[Principal, Depends(require_role("auditor"))]
+AdminPrincipal = Annotated[Principal, Depends(require_role("admin"))]

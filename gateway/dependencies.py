@@ -1,0 +1,67 @@
+"""What the routes are given: the services the app holds in ``app.state.services``.
+
+Routes declare what they need with the ``Annotated`` aliases below (FastAPI's dependency
+style), so that a route never reaches into ``app.state`` itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import sqlalchemy as sa
+from fastapi import Depends, Request
+
+from engine.service import Engine
+from gateway.audit.log import AuditLog
+from gateway.audit.signing import CheckpointSigner
+from gateway.errors import APIError
+from gateway.keys import KeyStore
+from gateway.observability.telemetry import Telemetry
+from gateway.settings import Settings
+
+
+@dataclass
+class Services:
+    settings: Settings
+    engine: Engine
+    audit: AuditLog
+    keys: KeyStore
+    signer: CheckpointSigner
+    db: sa.Engine
+    telemetry: Telemetry
+
+
+def get_services(request: Request) -> Services:
+    services: Services | None = request.app.state.services
+    if services is None:
+        raise APIError(
+            503,
+            "The gateway is starting or stopping.",
+            type="service_unavailable",
+            code="not_ready",
+        )
+    return services
+
+
+def get_engine(request: Request) -> Engine:
+    return get_services(request).engine
+
+
+def get_audit(request: Request) -> AuditLog:
+    return get_services(request).audit
+
+
+def get_keys(request: Request) -> KeyStore:
+    return get_services(request).keys
+
+
+def get_settings(request: Request) -> Settings:
+    return get_services(request).settings
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+EngineDep = Annotated[Engine, Depends(get_engine)]
+AuditDep = Annotated[AuditLog, Depends(get_audit)]
+KeysDep = Annotated[KeyStore, Depends(get_keys)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -1,0 +1,498 @@
+"""One audited generation: OpenAI request -> `request` event -> engine -> `completion` event.
+
+Fail closed: the `request` event is committed before the engine sees the request, and a
+non-streaming response leaves only after its `completion` event is committed; a stream ends
+with ``[DONE]`` only after its `completion` event is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import anyio
+import structlog
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+
+from engine.service import Engine
+from engine.types import (
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    SamplingParams,
+    SpeculativeChoice,
+)
+from gateway.audit.log import AppendedEvent, AuditUnavailableError
+from gateway.dependencies import Services
+from gateway.errors import APIError, audit_unavailable, error_body, from_engine_error
+from gateway.keys import Principal
+from gateway.observability.telemetry import CompletionTelemetry
+from gateway.recording import (
+    append_event,
+    combined_stats,
+    completion_payload,
+    request_payload,
+    sha256_text,
+    sha256_token_ids,
+)
+from gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SpeculativeRequest,
+    SpeculativeUsage,
+)
+
+log = structlog.get_logger(__name__)
+
+Kind = Literal["chat", "completion"]
+ROUTES: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+# gen_ai.operation.name per the OpenTelemetry GenAI semantic conventions.
+GENAI_OPERATIONS: dict[Kind, str] = {"chat": "chat", "completion": "text_completion"}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: tuple[int, ...]
+    sha256: str
+    content: Any
+    param: str
+
+
+@dataclass
+class Job:
+    """A validated request, ready for the engine."""
+
+    kind: Kind
+    request_id: str
+    prompt: Prompt
+    sampling: list[SamplingParams]
+    speculative: SpeculativeChoice
+    stream: bool
+    include_usage: bool
+    user: str | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def route(self) -> str:
+        return ROUTES[self.kind]
+
+    @property
+    def response_id(self) -> str:
+        return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.request_id}"
+
+
+def check_model(requested: str, engine: Engine) -> None:
+    if requested != engine.model_name:
+        raise APIError(
+            404,
+            f"The model '{requested}' does not exist. This server serves '{engine.model_name}'.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def speculative_choice(
+    requested: bool | SpeculativeRequest | None, engine: Engine
+) -> SpeculativeChoice:
+    if requested is None or requested is True:
+        return SpeculativeChoice()
+    if requested is False:
+        return SpeculativeChoice(method="none")
+    if requested.method not in engine.available_methods:
+        loaded = ", ".join(engine.available_methods)
+        raise APIError(
+            400,
+            f"Speculation method '{requested.method}' is not loaded on this server; "
+            f"loaded: {loaded}.",
+            param="speculative.method",
+            code="method_unavailable",
+        )
+    return SpeculativeChoice(requested.method, requested.num_speculative_tokens)
+
+
+def chat_prompt(body: ChatCompletionRequest, engine: Engine) -> Prompt:
+    """Render the messages with the model's chat template (generation prompt added)."""
+    messages = [
+        {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": message.text(),
+        }
+        for message in body.messages
+    ]
+    text = engine.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert isinstance(text, str)
+    token_ids = tuple(engine.tokenizer.encode(text, add_special_tokens=False))
+    return Prompt(
+        token_ids,
+        sha256_text(text),
+        [m.model_dump(exclude_none=True) for m in body.messages],
+        "messages",
+    )
+
+
+def completion_prompt(body: CompletionRequest, engine: Engine) -> Prompt:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise APIError(
+                400,
+                "Batched prompts are not supported; send one prompt per request.",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "The prompt must not be empty.", param="prompt")
+        token_ids = tuple(engine.tokenizer.encode(prompt))
+        return Prompt(token_ids, sha256_text(prompt), prompt, "prompt")
+    token_ids = tuple(int(token) for token in prompt)  # type: ignore[arg-type]
+    if not token_ids:
+        raise APIError(400, "The prompt must not be empty.", param="prompt")
+    vocab = engine.vocab_size
+    if any(token < 0 or token >= vocab for token in token_ids):
+        raise APIError(400, f"Token ids in the prompt must lie in [0, {vocab}).", param="prompt")
+    return Prompt(token_ids, sha256_token_ids(token_ids), list(token_ids), "prompt")
+
+
+def _max_tokens(
+    body: ChatCompletionRequest | CompletionRequest, prompt: Prompt, engine: Engine
+) -> int:
+    requested = body.max_tokens
+    param = "max_tokens"
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        if requested is not None and requested != body.max_completion_tokens:
+            raise APIError(
+                400, "max_tokens and max_completion_tokens disagree; send one.", param="max_tokens"
+            )
+        requested, param = body.max_completion_tokens, "max_completion_tokens"
+    room = engine.max_context - len(prompt.token_ids)
+    if requested is None and room > 0:
+        return room
+    asked = requested if requested is not None else 1
+    if asked > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {engine.max_context} tokens. However, you "
+            f"requested {len(prompt.token_ids) + asked} tokens ({len(prompt.token_ids)} in the "
+            f"{prompt.param}, {asked} in the completion). Please reduce the length of the "
+            f"{prompt.param} or completion.",
+            param=param if room > 0 else prompt.param,
+            code="context_length_exceeded",
+        )
+    return asked
+
+
+def build_job(body: ChatCompletionRequest | CompletionRequest, engine: Engine) -> Job:
+    """Check the request against the loaded model; raises APIError naming the parameter."""
+    check_model(body.model, engine)
+    if body.stream_options is not None and not body.stream:
+        raise APIError(
+            400, "stream_options is only allowed when stream is true.", param="stream_options"
+        )
+    kind: Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
+    prompt = (
+        chat_prompt(body, engine)
+        if isinstance(body, ChatCompletionRequest)
+        else completion_prompt(body, engine)
+    )
+    max_tokens = _max_tokens(body, prompt, engine)
+    sampling = [
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=None if body.seed is None else body.seed + index,
+            stop=body.stop_sequences(),
+        )
+        for index in range(body.n)
+    ]
+    return Job(
+        kind=kind,
+        request_id=uuid.uuid4().hex,
+        prompt=prompt,
+        sampling=sampling,
+        speculative=speculative_choice(body.speculative, engine),
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        user=body.user,
+    )
+
+
+def speculative_usage(stats: GenerationStats) -> SpeculativeUsage:
+    return SpeculativeUsage(
+        method=stats.method,
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        acceptance_rate=stats.acceptance_rate,
+        mean_acceptance_length=stats.mean_acceptance_length,
+        fallback_active=stats.fallback_active,
+    )
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass
+class _ChoiceState:
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+@dataclass
+class AuditedGeneration:
+    """Runs one Job against the engine, with its `request` and `completion` events."""
+
+    services: Services
+    principal: Principal
+    job: Job
+    started: float = field(default_factory=time.perf_counter)
+    request_event: AppendedEvent | None = None
+    choices: list[_ChoiceState] = field(default_factory=list)
+    telemetry: CompletionTelemetry | None = None
+
+    @property
+    def audit_id(self) -> str:
+        assert self.request_event is not None
+        return self.request_event.event_id
+
+    @property
+    def engine(self) -> Engine:
+        return self.services.engine
+
+    async def open(self) -> list[Any]:
+        """Commit the `request` event, then submit; returns the engine handles.
+
+        Runs under the completion's GenAI span, so that the audit write and the engine's spans
+        are its children; `close` ends the span, or this method when nothing was audited."""
+        job = self.job
+        prompt = job.prompt.content
+        self.telemetry = self.services.telemetry.start_completion(
+            operation=GENAI_OPERATIONS[job.kind],
+            model=self.engine.model_name,
+            sampling=job.sampling[0],
+            input_messages=prompt if job.kind == "chat" else [{"role": "user", "content": prompt}],
+        )
+        with self.telemetry.activate():
+            try:
+                return await self._submit()
+            except BaseException:
+                if self.request_event is None:
+                    self.telemetry.record_error("audit_unavailable")
+                    self.telemetry.end()
+                raise
+
+    async def _submit(self) -> list[Any]:
+        job = self.job
+        payload = request_payload(
+            engine=self.engine,
+            principal=self.principal,
+            route=job.route,
+            request_id=job.request_id,
+            prompt_sha256=job.prompt.sha256,
+            prompt_tokens=len(job.prompt.token_ids),
+            sampling=job.sampling[0],
+            n=len(job.sampling),
+            speculative=job.speculative,
+            stream=job.stream,
+            user=job.user,
+            content=job.prompt.content if self.services.settings.store_content else None,
+        )
+        try:
+            self.request_event = await append_event(
+                self.services.audit, "request", self.principal.key_id, payload
+            )
+        except AuditUnavailableError as error:
+            log.error("request_not_audited", error=str(error))
+            raise audit_unavailable() from error
+        self.choices = [_ChoiceState() for _ in job.sampling]
+        handles: list[Any] = []
+        try:
+            for index, sampling in enumerate(job.sampling):
+                request = GenerationRequest(
+                    prompt_ids=job.prompt.token_ids,
+                    sampling=sampling,
+                    speculative=job.speculative,
+                    request_id=f"{job.request_id}-{index}",
+                )
+                handles.append(self.engine.submit(request))
+        except EngineError as error:
+            for handle in handles:
+                handle.cancel()
+            await self._close_quietly("error", str(error))
+            raise from_engine_error(error) from error
+        return handles
+
+    async def run(self) -> list[GenerationResult]:
+        """Non-streaming: wait for every choice, then commit the `completion` event."""
+        handles = await self.open()
+        try:
+            results = list(
+                await asyncio.gather(*(run_in_threadpool(handle.result) for handle in handles))
+            )
+        except EngineError as error:
+            await self._close_quietly("error", str(error))
+            raise from_engine_error(error) from error
+        for state, result in zip(self.choices, results, strict=True):
+            state.text, state.num_tokens = result.text, len(result.token_ids)
+            state.finish_reason, state.stats = result.finish_reason, result.stats
+        try:
+            await self.close("ok", None)
+        except AuditUnavailableError as error:
+            log.error("completion_not_audited", error=str(error))
+            raise audit_unavailable() from error
+        return results
+
+    async def stream(self, handles: list[Any]) -> AsyncIterator[str]:
+        """Server-sent events in OpenAI's chunk format, then usage (when asked), then
+        ``[DONE]`` once the `completion` event is committed. Choices stream one after another."""
+        chunks = StreamChunks(self.job, self.services.engine)
+        try:
+            for index, handle in enumerate(handles):
+                state = self.choices[index]
+                if self.job.kind == "chat":
+                    yield _sse(
+                        chunks.choice(index, {"delta": {"role": "assistant", "content": ""}}, None)
+                    )
+                async for delta in iterate_in_threadpool(iter(handle)):
+                    state.text += delta.text
+                    state.num_tokens += len(delta.token_ids)
+                    if delta.finish_reason is not None:
+                        state.finish_reason, state.stats = delta.finish_reason, delta.stats
+                    if delta.text or delta.finish_reason is not None:
+                        yield _sse(chunks.text(index, delta.text, delta.finish_reason))
+        except EngineError as error:
+            await self._close_quietly("error", str(error))
+            yield _sse(_error_chunk(from_engine_error(error)))
+            return
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            # The client went away: the task is being cancelled, so shield the audit write.
+            with anyio.CancelScope(shield=True):
+                await self._close_quietly("cancelled", "the client disconnected")
+            raise
+        try:
+            await self.close("ok", None)
+        except AuditUnavailableError as error:
+            log.error("completion_not_audited", error=str(error))
+            yield _sse(_error_chunk(audit_unavailable()))
+            return
+        if self.job.include_usage:
+            yield _sse(chunks.usage(self.usage(), self.speculative()))
+        yield "data: [DONE]\n\n"
+
+    def usage(self) -> dict[str, int]:
+        return usage(
+            len(self.job.prompt.token_ids), sum(state.num_tokens for state in self.choices)
+        )
+
+    def stats(self) -> GenerationStats | None:
+        return combined_stats([state.stats for state in self.choices if state.stats is not None])
+
+    def speculative(self) -> SpeculativeUsage:
+        """Figures over all choices; only once every choice has finished."""
+        stats = self.stats()
+        assert stats is not None and len(self.choices) > 0
+        return speculative_usage(stats)
+
+    async def close(self, outcome: str, error: str | None) -> None:
+        """Commit the `completion` event for whatever the choices hold now."""
+        payload = completion_payload(
+            request_event_id=self.audit_id,
+            outcome=outcome,
+            error=error,
+            texts=[state.text for state in self.choices],
+            finish_reasons=[state.finish_reason for state in self.choices],
+            prompt_tokens=len(self.job.prompt.token_ids),
+            completion_tokens=sum(state.num_tokens for state in self.choices),
+            stats=self.stats(),
+            latency_s=time.perf_counter() - self.started,
+            store_content=self.services.settings.store_content,
+        )
+        telemetry = self.telemetry
+        assert telemetry is not None
+        stats = self.stats()
+        if stats is not None:
+            telemetry.record_result(
+                response_id=self.job.response_id,
+                response_model=self.engine.model_name,
+                finish_reasons=[s.finish_reason for s in self.choices if s.finish_reason],
+                stats=stats,
+                output_texts=[state.text for state in self.choices],
+            )
+        if outcome != "ok":
+            telemetry.record_error(outcome)
+        try:
+            with telemetry.activate():
+                await append_event(
+                    self.services.audit, "completion", self.principal.key_id, payload
+                )
+        finally:
+            telemetry.end()
+
+    async def _close_quietly(self, outcome: str, error: str) -> None:
+        """Record a failed or abandoned request; the client hears of the original failure."""
+        try:
+            await self.close(outcome, error)
+        except AuditUnavailableError as audit_error:
+            log.error("completion_not_audited", outcome=outcome, error=str(audit_error))
+
+
+def system_fingerprint(engine: Engine) -> str:
+    """Changes whenever the target model's weights, config or tokenizer change."""
+    return "fp_" + engine.target_version.split(":")[-1][:12]
+
+
+class StreamChunks:
+    """Chunks in OpenAI's streaming shapes (``chat.completion.chunk``, ``text_completion``)."""
+
+    def __init__(self, job: Job, engine: Engine) -> None:
+        self.job = job
+        self.include_usage = job.include_usage
+        self.base: dict[str, Any] = {
+            "id": job.response_id,
+            "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
+            "created": job.created,
+            "model": engine.model_name,
+            "system_fingerprint": system_fingerprint(engine),
+        }
+
+    def choice(self, index: int, body: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        choice = {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
+        chunk = {**self.base, "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def text(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        if self.job.kind == "chat":
+            return self.choice(index, {"delta": {"content": text} if text else {}}, finish_reason)
+        return self.choice(index, {"text": text}, finish_reason)
+
+    def usage(self, usage: dict[str, int], speculative: SpeculativeUsage) -> dict[str, Any]:
+        return {**self.base, "choices": [], "usage": usage, "speculative": speculative.model_dump()}
+
+
+def _error_chunk(error: APIError) -> dict[str, Any]:
+    return error_body(error.message, error.type, error.param, error.code)
+
+
+def _sse(chunk: dict[str, Any]) -> str:
+    return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"

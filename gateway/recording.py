@@ -1,0 +1,181 @@
+"""The gateway's audit events: what each one records, and appending them off the event loop.
+
+Prompt and completion text are recorded only as SHA-256 unless ``store_content`` is set
+(privacy by default); the hashes still let an auditor prove which text a record covers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+from starlette.concurrency import run_in_threadpool
+
+from engine.service import Engine
+from engine.types import FallbackEvent, GenerationStats, SamplingParams, SpeculativeChoice
+from gateway.audit.log import AppendedEvent, AuditLog
+from gateway.keys import Principal
+from gateway.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def sha256_token_ids(token_ids: Sequence[int]) -> str:
+    """Hash of a prompt given as token ids: the ids as decimal, comma-separated, in UTF-8."""
+    return sha256_text(",".join(str(token) for token in token_ids))
+
+
+async def append_event(
+    audit: AuditLog, kind: str, actor: str | None, payload: dict[str, Any]
+) -> AppendedEvent:
+    """Append and commit one event in the threadpool; raises AuditUnavailableError."""
+    return await run_in_threadpool(audit.append, kind, actor, payload)
+
+
+def models_in_use(engine: Engine) -> dict[str, Any]:
+    return {
+        "model": engine.model_name,
+        "target_version": engine.target_version,
+        "draft": engine.draft_name,
+        "draft_version": engine.draft_version,
+    }
+
+
+def startup_payload(settings: Settings, engine: Engine) -> dict[str, Any]:
+    return {
+        "config": settings.public_snapshot(),
+        **models_in_use(engine),
+        "available_methods": list(engine.available_methods),
+        "speculative_config": engine.speculative_config.model_dump(mode="json"),
+        "max_context": engine.max_context,
+    }
+
+
+def request_payload(
+    *,
+    engine: Engine,
+    principal: Principal,
+    route: str,
+    request_id: str,
+    prompt_sha256: str,
+    prompt_tokens: int,
+    sampling: SamplingParams,
+    n: int,
+    speculative: SpeculativeChoice,
+    stream: bool,
+    user: str | None,
+    content: Any | None,
+) -> dict[str, Any]:
+    """The `request` event, committed before generation starts (fail closed)."""
+    payload: dict[str, Any] = {
+        "request_id": request_id,
+        "route": route,
+        "key_id": principal.key_id,
+        "key_name": principal.name,
+        "user": user,
+        **models_in_use(engine),
+        "speculative": {
+            "requested_method": speculative.method,
+            "requested_num_speculative_tokens": speculative.num_speculative_tokens,
+            "default_method": engine.speculative_config.method,
+            "default_num_speculative_tokens": engine.speculative_config.num_speculative_tokens,
+        },
+        "sampling": {
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "seed": sampling.seed,
+            "stop": list(sampling.stop),
+            "n": n,
+        },
+        "stream": stream,
+        "prompt_sha256": prompt_sha256,
+        "prompt_tokens": prompt_tokens,
+    }
+    if content is not None:
+        payload["prompt"] = content
+    return payload
+
+
+def combined_stats(all_stats: Sequence[GenerationStats]) -> GenerationStats | None:
+    """One figure for all choices of a request: counts add up, fallback is any choice's."""
+    if not all_stats:
+        return None
+    total = GenerationStats(method=all_stats[0].method)
+    for stats in all_stats:
+        total.num_prompt_tokens = stats.num_prompt_tokens
+        total.num_output_tokens += stats.num_output_tokens
+        total.num_drafts += stats.num_drafts
+        total.num_draft_tokens += stats.num_draft_tokens
+        total.num_accepted_tokens += stats.num_accepted_tokens
+        total.num_target_passes += stats.num_target_passes
+        total.fallback_active = total.fallback_active or stats.fallback_active
+        total.total_time_s = max(total.total_time_s, stats.total_time_s)
+    total.time_to_first_token_s = min(stats.time_to_first_token_s for stats in all_stats)
+    return total
+
+
+def completion_payload(
+    *,
+    request_event_id: str,
+    outcome: str,
+    error: str | None,
+    texts: Sequence[str],
+    finish_reasons: Sequence[str | None],
+    prompt_tokens: int,
+    completion_tokens: int,
+    stats: GenerationStats | None,
+    latency_s: float,
+    store_content: bool,
+) -> dict[str, Any]:
+    """The `completion` event, referencing its `request` event."""
+    payload: dict[str, Any] = {
+        "request_event_id": request_event_id,
+        "outcome": outcome,
+        "error": error,
+        "finish_reasons": list(finish_reasons),
+        "completion_sha256": [sha256_text(text) for text in texts],
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "latency_s": latency_s,
+        "speculative": None,
+        "fallback_active": None,
+    }
+    if stats is not None:
+        payload["speculative"] = {
+            "method": stats.method,
+            "num_drafts": stats.num_drafts,
+            "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+            "acceptance_rate": stats.acceptance_rate,
+            "mean_acceptance_length": stats.mean_acceptance_length,
+            "num_target_passes": stats.num_target_passes,
+        }
+        payload["fallback_active"] = stats.fallback_active
+        payload["time_to_first_token_s"] = stats.time_to_first_token_s
+    if store_content:
+        payload["completions"] = list(texts)
+    return payload
+
+
+def fallback_recorder(audit: AuditLog) -> Callable[[FallbackEvent], None]:
+    """The engine's ``on_fallback`` callback: a `fallback` event per switch.
+
+    It runs on the engine's worker thread; a failed append is logged, never raised into the
+    engine (speculation switching must not stop generation).
+    """
+
+    def record(event: FallbackEvent) -> None:
+        try:
+            audit.append("fallback", None, event.as_dict())
+        except Exception:
+            log.exception("fallback_event_not_recorded", method=event.method, action=event.action)
+
+    return record

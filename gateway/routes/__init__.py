@@ -1,0 +1,1 @@
+"""HTTP routes, one module per area; each route stays thin and delegates to the services."""

@@ -1,0 +1,42 @@
+"""Key management for the ``admin`` role (``specgate keys`` is the main path; this mirrors it)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+
+from gateway.auth import AdminPrincipal
+from gateway.dependencies import KeysDep
+from gateway.errors import APIError
+from gateway.keys import KeyStoreError
+from gateway.schemas import CreatedKey, KeyCreateRequest, KeyInfo
+
+router = APIRouter(prefix="/v1/admin/keys", tags=["admin"])
+
+
+@router.get("")
+async def list_keys(principal: AdminPrincipal, keys: KeysDep) -> list[KeyInfo]:
+    active = await run_in_threadpool(keys.list)
+    return [KeyInfo(key_id=key.key_id, name=key.name, role=key.role) for key in active]
+
+
+@router.post("", status_code=201)
+async def create_key(
+    body: KeyCreateRequest, principal: AdminPrincipal, keys: KeysDep
+) -> CreatedKey:
+    try:
+        created, plaintext = await run_in_threadpool(
+            keys.create, body.role, body.name, principal.key_id
+        )
+    except KeyStoreError as error:
+        raise APIError(409, str(error), param="name", code="key_exists") from error
+    return CreatedKey(key_id=created.key_id, name=created.name, role=created.role, key=plaintext)
+
+
+@router.delete("/{key}")
+async def revoke_key(key: str, principal: AdminPrincipal, keys: KeysDep) -> dict[str, str]:
+    try:
+        await run_in_threadpool(keys.revoke, key, principal.key_id)
+    except KeyStoreError as error:
+        raise APIError(404, str(error), param="key", code="key_not_found") from error
+    return {"revoked": key}

@@ -1,0 +1,206 @@
+"""Gateway configuration: defaults < YAML file (``--config``) < ``SPECGATE_*`` variables < flags.
+
+Every field is named the same in all three places (the YAML keys are the field names), so an
+operator can move a setting between them without translating it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from engine.config import DType, EngineConfig, SpeculativeConfig, speculative_config_from_vllm
+from engine.types import Method
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message names the offending field."""
+
+
+def _default_data_dir() -> Path:
+    xdg = os.environ.get("XDG_DATA_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "share"
+    return base / "specgate"
+
+
+def _default_log_format() -> Literal["json", "console"]:
+    return "console" if sys.stdout.isatty() else "json"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECGATE_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+    target: Path | None = Field(
+        default=None, description="Target model directory; None serves the demo pair."
+    )
+    draft: Path | None = None
+    method: Method | None = Field(
+        default=None,
+        description="Default speculation; None: 'draft' when a draft is loaded, else 'none'.",
+    )
+    num_speculative_tokens: int | None = Field(default=None, ge=1, le=16)
+    speculative_config: str | None = Field(
+        default=None, description="vLLM --speculative-config JSON."
+    )
+    dtype: DType = "auto"
+    device: str | None = None
+    served_model_name: str | None = None
+    max_queue: int = Field(default=64, ge=1)
+
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    database_url: str = Field(
+        default_factory=lambda data: (
+            f"sqlite:///{data.get('data_dir', _default_data_dir())}/audit.db"
+        )
+    )
+    migrate: bool = Field(
+        default=True, description="Run migrations at startup (SQLite is always migrated)."
+    )
+    signing_key_path: Path = Field(
+        default_factory=lambda data: (
+            Path(data.get("data_dir", _default_data_dir())) / "audit-signing-key.pem"
+        )
+    )
+    bootstrap_admin_key: SecretStr | None = None
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1)
+    checkpoint_interval_s: float = Field(default=300.0, gt=0)
+    store_content: bool = False
+
+    log_format: Literal["json", "console"] = Field(default_factory=_default_log_format)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_content: bool = False
+    otlp_endpoint: str | None = None
+    otlp_protocol: Literal["http/protobuf", "grpc"] | None = Field(
+        default=None,
+        description="None: OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL, else http/protobuf.",
+    )
+    trace_content: bool = False
+    egress_allowlist: list[str] = Field(default_factory=list)
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _vllm_json_parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            speculative_config_from_vllm(value)
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_database(cls, value: str) -> str:
+        if not value.startswith(("sqlite:", "postgresql:", "postgresql+psycopg:")):
+            raise ValueError("must start with sqlite:, postgresql: or postgresql+psycopg:")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, YamlConfigSettingsSource(settings_cls)
+
+    def public_snapshot(self) -> dict[str, Any]:
+        """The configuration without secrets, as recorded in the `startup` audit event."""
+        from sqlalchemy.engine import make_url
+
+        snapshot = self.model_dump(mode="json", exclude={"bootstrap_admin_key"})
+        snapshot["database_url"] = make_url(self.database_url).render_as_string(hide_password=True)
+        snapshot["bootstrap_admin_key_set"] = self.bootstrap_admin_key is not None
+        return snapshot
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        if item["type"] == "default_factory_not_called":
+            continue  # a consequence of another field's error, reported on its own
+        field = ".".join(str(part) for part in item["loc"]) or "configuration"
+        lines.append(f"{field}: {item['msg']}")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Read the configuration; ``overrides`` (flags that were given) win over everything.
+
+    Raises ConfigError naming the field when any source holds an invalid value.
+    """
+    given = {key: value for key, value in overrides.items() if value is not None}
+    try:
+        if config_file is None:
+            return Settings(**given)
+        if not config_file.is_file():
+            raise ConfigError(f"config: file {config_file} does not exist")
+
+        class FileSettings(Settings):
+            model_config = SettingsConfigDict(yaml_file=config_file)
+
+        return FileSettings(**given)
+    except ValidationError as error:
+        raise ConfigError(_describe(error)) from None
+
+
+def _demo_pair() -> tuple[Path, Path]:
+    from engine.demo.paths import default_demo_dir
+
+    demo = default_demo_dir()
+    target, draft = demo / "target", demo / "draft"
+    if not (target / "config.json").is_file() or not (draft / "config.json").is_file():
+        raise ConfigError(
+            f"target: no model given and the demo pair is missing in {demo}; "
+            "build it with `specgate models build-demo` or pass --target DIR"
+        )
+    return target, draft
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine configuration the settings describe, checked before anything is loaded."""
+    speculative = SpeculativeConfig()
+    draft = settings.draft
+    if settings.speculative_config is not None:
+        speculative, vllm_draft = speculative_config_from_vllm(settings.speculative_config)
+        draft = draft or vllm_draft
+    target = settings.target
+    if target is None:
+        target, demo_draft = _demo_pair()
+        draft = draft or demo_draft
+    for name, path in (("target", target), ("draft", draft)):
+        if path is not None and not path.is_dir():
+            raise ConfigError(f"{name}: {path} is not a model directory")
+    method = settings.method
+    if method is None and settings.speculative_config is None:
+        method = "draft" if draft is not None else "none"
+    updates: dict[str, Any] = {}
+    if method is not None:
+        updates["method"] = method
+    if settings.num_speculative_tokens is not None:
+        updates["num_speculative_tokens"] = settings.num_speculative_tokens
+    try:
+        return EngineConfig(
+            target=target,
+            draft=draft,
+            speculative=SpeculativeConfig.model_validate({**speculative.model_dump(), **updates}),
+            dtype=settings.dtype,
+            device=settings.device,
+            max_queue=settings.max_queue,
+            served_model_name=settings.served_model_name,
+        )
+    except ValidationError as error:
+        if method == "draft" and draft is None:
+            raise ConfigError("method: 'draft' needs a draft model (--draft DIR)") from None
+        raise ConfigError(_describe(error)) from None

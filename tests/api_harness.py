@@ -1,0 +1,101 @@
+"""A live gateway for the API tests: uvicorn on 127.0.0.1 in a background thread, a fresh
+PostgreSQL database, tiny models, and one key per role."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import uvicorn
+from fastapi import FastAPI
+from psycopg import sql
+
+from gateway.app import create_app
+from gateway.dependencies import Services
+from gateway.settings import Settings
+
+PG_SERVER = "postgresql://postgres@127.0.0.1:5432"
+
+
+def pg_admin(statement: sql.Composed) -> None:
+    """Run one statement on the server's ``test`` database (outside any transaction)."""
+    with psycopg.connect(f"{PG_SERVER}/test", autocommit=True) as admin:
+        admin.execute(statement)
+
+
+@contextmanager
+def fresh_database() -> Iterator[tuple[str, str]]:
+    """(name, URL) of a new empty database, dropped afterwards; the gateway migrates it."""
+    name = f"specgate_api_{uuid.uuid4().hex[:12]}"
+    pg_admin(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield name, f"{PG_SERVER}/{name}"
+    finally:
+        pg_admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@dataclass
+class LiveGateway:
+    app: FastAPI
+    base_url: str
+    database: str
+    keys: dict[str, str]
+
+    @property
+    def services(self) -> Services:
+        services: Services = self.app.state.services
+        return services
+
+
+@contextmanager
+def live_gateway(settings: Settings, database: str) -> Iterator[LiveGateway]:
+    """Serve ``create_app(settings)`` on a free port until the block ends."""
+    app = create_app(settings)
+    listener = socket.socket()
+    # Accepted sockets inherit this; without it Nagle's algorithm meets delayed ACKs and
+    # every keep-alive response waits ~40 ms (uvicorn sets it only on sockets it binds).
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.05)
+    services: Services = app.state.services
+    keys = {
+        role: services.keys.create(role, f"test-{role}", "tests")[1]
+        for role in ("app", "auditor", "admin")
+    }
+    try:
+        yield LiveGateway(app, f"http://127.0.0.1:{port}", database, keys)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        listener.close()
+
+
+def gateway_settings(
+    models: tuple[Path, Path], data_dir: Path, database_url: str, **extra: object
+) -> Settings:
+    target, draft = models
+    return Settings(
+        target=target,
+        draft=draft,
+        database_url=database_url,
+        data_dir=data_dir,
+        device="cpu",
+        dtype="float32",
+        log_format="console",
+        **extra,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,189 @@
+"""Gateway configuration (`specgate serve`): sources and their order, errors that name the
+field, the demo-pair default, and the per-request speculation choice."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+import typer
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import SecretStr
+from typer.testing import CliRunner
+
+from engine.service import Engine
+from gateway.cli_serve import serve
+from gateway.errors import APIError
+from gateway.generation import speculative_choice
+from gateway.schemas import SpeculativeRequest
+from gateway.settings import ConfigError, Settings, engine_config, load_settings
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in [name for name in os.environ if name.startswith("SPECGATE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data-home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache-home"))
+
+
+def fake_model(directory: Path) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+def test_flags_beat_environment_beat_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "specgate.yaml"
+    config.write_text("port: 9000\nhost: 0.0.0.0\nmethod: ngram\nmax_queue: 5\n")
+    monkeypatch.setenv("SPECGATE_PORT", "9100")
+    monkeypatch.setenv("SPECGATE_MAX_QUEUE", "7")
+    settings = load_settings(config, port=9200, method=None)
+    assert (settings.port, settings.max_queue, settings.host, settings.method) == (
+        9200,
+        7,
+        "0.0.0.0",
+        "ngram",
+    )
+
+
+def test_defaults_live_in_the_data_directory(tmp_path: Path) -> None:
+    settings = load_settings()
+    data = tmp_path / "data-home" / "specgate"
+    assert settings.data_dir == data
+    assert settings.database_url == f"sqlite:///{data}/audit.db"
+    assert settings.signing_key_path == data / "audit-signing-key.pem"
+    moved = load_settings(data_dir=tmp_path / "elsewhere")
+    assert moved.database_url == f"sqlite:///{tmp_path}/elsewhere/audit.db"
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "field"),
+    [
+        ("port: eighty\n", "port"),
+        ("method: eagle\n", "method"),
+        ("prot: 80\n", "prot"),
+        ("database_url: mysql://db/audit\n", "database_url"),
+        ('speculative_config: \'{"method": "medusa"}\'\n', "speculative_config"),
+        ("num_speculative_tokens: 0\n", "num_speculative_tokens"),
+        ("checkpoint_interval_s: 0\n", "checkpoint_interval_s"),
+    ],
+)
+def test_invalid_configuration_names_the_field(tmp_path: Path, yaml_text: str, field: str) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml_text)
+    with pytest.raises(ConfigError) as raised:
+        load_settings(config)
+    assert str(raised.value).startswith(f"invalid configuration: {field}:")
+
+
+def test_missing_config_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"config: file .*nowhere\.yaml does not exist"):
+        load_settings(tmp_path / "nowhere.yaml")
+
+
+@given(port=st.integers())
+def test_any_port_outside_the_tcp_range_is_refused(port: int) -> None:
+    if 1 <= port <= 65535:
+        assert load_settings(port=port).port == port
+    else:
+        with pytest.raises(ConfigError, match=r"^invalid configuration: port:"):
+            load_settings(port=port)
+
+
+def test_snapshot_hides_secrets() -> None:
+    settings = Settings(
+        database_url="postgresql://specgate:hunter2@db:5432/audit",
+        bootstrap_admin_key=SecretStr("sg-secret-admin"),
+    )
+    snapshot = settings.public_snapshot()
+    text = json.dumps(snapshot)
+    assert "hunter2" not in text and "sg-secret-admin" not in text
+    assert snapshot["database_url"] == "postgresql://specgate:***@db:5432/audit"
+    assert snapshot["bootstrap_admin_key_set"] is True
+
+
+def test_no_target_serves_the_demo_pair(tmp_path: Path) -> None:
+    demo = tmp_path / "cache-home" / "specgate" / "demo"
+    with pytest.raises(ConfigError, match="specgate models build-demo") as raised:
+        engine_config(load_settings())
+    assert str(raised.value).startswith("target:")
+    fake_model(demo / "target")
+    fake_model(demo / "draft")
+    config = engine_config(load_settings())
+    assert (config.target, config.draft, config.speculative.method) == (
+        demo / "target",
+        demo / "draft",
+        "draft",
+    )
+
+
+def test_engine_configuration_from_flags_and_vllm_json(tmp_path: Path) -> None:
+    target, draft = fake_model(tmp_path / "t"), fake_model(tmp_path / "d")
+    plain = engine_config(load_settings(target=target))
+    assert (plain.draft, plain.speculative.method) == (None, "none")
+    vllm = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    config = engine_config(load_settings(target=target, speculative_config=vllm))
+    assert (config.draft, config.speculative.method, config.speculative.num_speculative_tokens) == (
+        draft,
+        "draft",
+        3,
+    )
+    overridden = engine_config(
+        load_settings(target=target, speculative_config=vllm, method="ngram")
+    )
+    assert overridden.speculative.method == "ngram"
+    with pytest.raises(ConfigError, match=r"^method: 'draft' needs a draft model"):
+        engine_config(load_settings(target=target, method="draft"))
+    with pytest.raises(ConfigError, match=r"^draft: .* is not a model directory"):
+        engine_config(load_settings(target=target, draft=tmp_path / "missing"))
+
+
+def test_serve_stops_on_invalid_configuration_naming_the_field(tmp_path: Path) -> None:
+    app = typer.Typer()
+    app.command()(serve)
+    runner = CliRunner()
+    bad_method = runner.invoke(
+        app, ["--target", str(fake_model(tmp_path / "t")), "--method", "eagle"]
+    )
+    assert bad_method.exit_code == 2
+    assert "invalid configuration: method:" in bad_method.output
+    no_demo = runner.invoke(app, [])
+    assert no_demo.exit_code == 2
+    assert "specgate models build-demo" in no_demo.output
+
+
+def _engine_with(methods: tuple[str, ...]) -> Engine:
+    return cast(Engine, SimpleNamespace(available_methods=methods))
+
+
+@pytest.mark.parametrize(
+    ("requested", "expected"),
+    [
+        (None, (None, None)),
+        (True, (None, None)),
+        (False, ("none", None)),
+        (SpeculativeRequest(method="ngram", num_speculative_tokens=5), ("ngram", 5)),
+    ],
+)
+def test_speculative_field_maps_onto_the_engine_choice(
+    requested: Any, expected: tuple[Any, Any]
+) -> None:
+    choice = speculative_choice(requested, _engine_with(("none", "ngram")))
+    assert (choice.method, choice.num_speculative_tokens) == expected
+
+
+def test_an_unloaded_method_is_a_400_naming_it() -> None:
+    with pytest.raises(APIError) as raised:
+        speculative_choice(SpeculativeRequest(method="draft"), _engine_with(("none", "ngram")))
+    error = raised.value
+    assert (error.status_code, error.param, error.code) == (
+        400,
+        "speculative.method",
+        "method_unavailable",
+    )
