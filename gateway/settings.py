@@ -55,6 +55,23 @@ class Settings(BaseSettings):
     speculative_config: str | None = Field(
         default=None, description="vLLM --speculative-config JSON."
     )
+    max_speculative_tokens: int = Field(
+        default=8, ge=1, le=16, description="Upper bound of adaptive k."
+    )
+    prompt_lookup_min: int | None = Field(default=None, ge=1)
+    prompt_lookup_max: int | None = Field(default=None, ge=1)
+    acceptance_threshold: float = Field(
+        default=0.6, ge=0.0, le=1.0, description="Switch a method off below this acceptance rate."
+    )
+    fallback_window_tokens: int = Field(
+        default=256, ge=8, description="Draft tokens in the rolling acceptance window."
+    )
+    fallback_probe_interval: int = Field(
+        default=8, ge=1, description="While a method is off, every Nth request probes it."
+    )
+    disable_by_queue_depth: int | None = Field(
+        default=None, ge=1, description="Decode plainly while this many requests wait."
+    )
     dtype: DType = "auto"
     device: str | None = None
     served_model_name: str | None = None
@@ -185,7 +202,18 @@ def engine_config(settings: Settings) -> EngineConfig:
     method = settings.method
     if method is None and settings.speculative_config is None:
         method = "draft" if draft is not None else "none"
-    updates: dict[str, Any] = {}
+    updates: dict[str, Any] = {
+        "max_speculative_tokens": settings.max_speculative_tokens,
+        "acceptance_threshold": settings.acceptance_threshold,
+        "window_tokens": settings.fallback_window_tokens,
+        "probe_interval_requests": settings.fallback_probe_interval,
+    }
+    optional = {
+        "prompt_lookup_min": settings.prompt_lookup_min,
+        "prompt_lookup_max": settings.prompt_lookup_max,
+        "disable_by_queue_depth": settings.disable_by_queue_depth,
+    }
+    updates.update({key: value for key, value in optional.items() if value is not None})
     if method is not None:
         updates["method"] = method
     if settings.num_speculative_tokens is not None:

@@ -144,6 +144,33 @@ def test_engine_configuration_from_flags_and_vllm_json(tmp_path: Path) -> None:
         engine_config(load_settings(target=target, draft=tmp_path / "missing"))
 
 
+def test_speculation_tuning_reaches_the_engine(tmp_path: Path) -> None:
+    target = fake_model(tmp_path / "t")
+    vllm = json.dumps({"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+    tuned = engine_config(
+        load_settings(
+            target=target,
+            speculative_config=vllm,
+            acceptance_threshold=0.3,
+            fallback_window_tokens=32,
+            fallback_probe_interval=4,
+            disable_by_queue_depth=5,
+            max_speculative_tokens=6,
+        )
+    ).speculative
+    assert (tuned.prompt_lookup_min, tuned.prompt_lookup_max) == (2, 3)
+    assert (tuned.acceptance_threshold, tuned.window_tokens, tuned.probe_interval_requests) == (
+        0.3,
+        32,
+        4,
+    )
+    assert (tuned.disable_by_queue_depth, tuned.max_speculative_tokens) == (5, 6)
+    lookup = engine_config(load_settings(target=target, prompt_lookup_max=7)).speculative
+    assert (lookup.prompt_lookup_min, lookup.prompt_lookup_max) == (1, 7)
+    with pytest.raises(ConfigError, match="prompt_lookup_min"):
+        engine_config(load_settings(target=target, prompt_lookup_min=5, prompt_lookup_max=2))
+
+
 def test_serve_stops_on_invalid_configuration_naming_the_field(tmp_path: Path) -> None:
     app = typer.Typer()
     app.command()(serve)

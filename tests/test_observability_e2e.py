@@ -21,27 +21,17 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-import gateway.app
-from engine.config import EngineConfig
 from gateway.app import create_app
 from gateway.cli_serve import serve
 from gateway.observability.egress import EgressRefusedError
 from gateway.observability.logging import configure_logging, reset_logging
-from gateway.settings import Settings, engine_config
+from gateway.settings import Settings
 from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_receiver
 from tests.tiny_models import build_pair
 
 MODEL = "target"
 CANARY = "CANARY-b7e1d94f-do-not-export"
-
-
-def strict_fallback(settings: Settings) -> EngineConfig:
-    config = engine_config(settings)
-    speculative = config.speculative.model_copy(
-        update={"acceptance_threshold": 0.99, "window_tokens": 8}
-    )
-    return config.model_copy(update={"speculative": speculative})
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +54,16 @@ def live(
 ) -> Iterator[LiveGateway]:
     root = tmp_path_factory.mktemp("observability")
     models = build_pair(root / "models")
-    with fresh_database() as (name, url), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gateway.app, "engine_config", strict_fallback)
-        settings = gateway_settings(models, root / "data", url, otlp_endpoint=receiver.endpoint)
+    with fresh_database() as (name, url):
+        # A fallback switch after a few requests: the random draft is rarely accepted.
+        settings = gateway_settings(
+            models,
+            root / "data",
+            url,
+            otlp_endpoint=receiver.endpoint,
+            acceptance_threshold=0.99,
+            fallback_window_tokens=8,
+        )
         with live_gateway(settings, name) as running:
             yield running
 
