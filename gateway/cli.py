@@ -10,7 +10,9 @@ from engine.cli import generate, models_app
 from gateway.cli_admin import audit_app, db_app, keys_app
 from gateway.cli_serve import serve
 
-app = typer.Typer(help="Specgate: an audited, speculative-decoding LLM gateway.", no_args_is_help=True)
+app = typer.Typer(
+    help="Specgate: an audited, speculative-decoding LLM gateway.", no_args_is_help=True
+)
 app.command()(generate)
 app.command()(serve)
 app.command()(bench)
