@@ -72,7 +72,7 @@ class OutputAssembler:
         end = len(self.text) if finish else len(self.text) - self._held_back()
         delta = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
-        return Piece(kept, delta, finish)
+        return Piece(self.token_ids[before:], delta, finish)
 
     def _first_stop(self, text: str, search_from: int) -> int | None:
         found = [i for s in self.params.stop if (i := text.find(s, search_from)) >= 0]

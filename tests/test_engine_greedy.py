@@ -126,3 +126,23 @@ def test_speculative_greedy_stops_where_plain_stops(
     assert plain.finish_reason == "stop"
     for stop in params.stop:
         assert stop not in plain.text
+
+
+def test_stop_string_completed_inside_a_multi_token_step_keeps_only_tokens_up_to_it(
+    engine: Engine,
+) -> None:
+    """Found by hypothesis: a step committing the stop string's last token plus one more
+    must drop the extra token from the output ids, not only from the text."""
+    prompt = (94, 225, 50, 93, 8)
+    reference = engine.generate(
+        GenerationRequest(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    )
+    for end in range(2, len(reference.text)):
+        stop = reference.text[end - 2 : end]
+        if "\ufffd" in stop:
+            continue
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,))
+        plain = engine.generate(GenerationRequest(prompt, params))
+        for k in (1, 2, 3):
+            spec = engine.generate(GenerationRequest(prompt, params, SpeculativeChoice("ngram", k)))
+            assert (spec.token_ids, spec.text) == (plain.token_ids, plain.text)
