@@ -1,1 +1,60 @@
-# placeholder owned by the bench work: defines bench()
+"""``specgate bench``: measure plain and speculative decoding side by side on one machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+DEFAULT_OUT = Path("bench/results")
+
+
+def bench(
+    target: Annotated[
+        Path | None, typer.Option(help="Target model directory (default: the demo pair).")
+    ] = None,
+    draft: Annotated[
+        Path | None, typer.Option(help="Draft model directory (default: the demo pair's).")
+    ] = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(help="JSON lines of {'prompt': ...} or {'messages': [...]} requests; "
+                     "replaces the built-in code and quoting sets."),
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Where bench.json, bench.md, bench.png go.")] = (
+        DEFAULT_OUT
+    ),
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 96,
+    repeats: Annotated[int, typer.Option(help="Timed runs per prompt and method.")] = 3,
+    limit: Annotated[int, typer.Option(help="Prompts to take from each set.")] = 8,
+    k: Annotated[int, typer.Option(help="The fixed K measured beside adaptive K.")] = 4,
+) -> None:
+    """Benchmark plain, n-gram and draft-model decoding, and Hugging Face's equivalents."""
+    from bench.report import summarise, write_outputs
+    from bench.runner import BenchSetup, load_engine, run_bench
+    from bench.workload import builtin_prompts, load_prompts
+    from engine.demo.paths import default_demo_dir
+
+    if target is None:
+        target = default_demo_dir() / "target"
+        draft = draft or default_demo_dir() / "draft"
+    if not target.is_dir():
+        raise typer.BadParameter(
+            f"{target} is not a model directory; build the demo pair with "
+            "`specgate models build-demo` or pass --target", param_hint="--target"
+        )
+    setup = BenchSetup(target=target, draft=draft, repeats=repeats, fixed_k=k)
+    engine = load_engine(setup)
+    try:
+        if prompts is None:
+            workload = builtin_prompts(engine.tokenizer, max_tokens, limit)
+        else:
+            workload = load_prompts(prompts, prompts.stem, engine.tokenizer, max_tokens, limit)
+        result = run_bench(setup, workload, engine)
+    finally:
+        engine.close()
+    rows = summarise(result.runs, result.variants, result.costs)
+    paths = write_outputs(out, rows, result.header, result.costs, result.runs)
+    typer.echo(paths["markdown"].read_text())
+    typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")

@@ -18,7 +18,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from engine.demo.corpus import Corpus, load_corpus
@@ -59,9 +66,9 @@ FULL = BuildSpec(
     max_positions=1024,
     target=ModelShape(hidden=384, layers=12, intermediate=1024, heads=6, kv_heads=2),
     draft_layers=1,
-    target_schedule=Schedule(steps=880, batch_size=4, seq_len=512, lr=1.5e-3, warmup_steps=40),
-    draft_schedule=Schedule(steps=340, batch_size=8, seq_len=512, lr=1e-3, warmup_steps=20),
-    eval_windows=24,
+    target_schedule=Schedule(steps=450, batch_size=4, seq_len=512, lr=1.5e-3, warmup_steps=25),
+    draft_schedule=Schedule(steps=150, batch_size=8, seq_len=512, lr=1e-3, warmup_steps=10),
+    eval_windows=12,
     max_files=None,
 )
 
@@ -70,8 +77,8 @@ QUICK = BuildSpec(
     max_positions=256,
     target=ModelShape(hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2),
     draft_layers=1,
-    target_schedule=Schedule(steps=8, batch_size=2, seq_len=64, lr=3e-3, warmup_steps=2),
-    draft_schedule=Schedule(steps=8, batch_size=2, seq_len=64, lr=3e-3, warmup_steps=2),
+    target_schedule=Schedule(steps=10, batch_size=2, seq_len=64, lr=3e-3, warmup_steps=2),
+    draft_schedule=Schedule(steps=10, batch_size=2, seq_len=64, lr=3e-3, warmup_steps=2),
     eval_windows=2,
     max_files=40,
 )
@@ -106,11 +113,10 @@ def _generation_config(tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
     )
 
 
-def _save(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path, dtype: torch.dtype
-) -> None:
+def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+    """Saved in the model's own dtype (the target bfloat16, the draft float32)."""
     model.generation_config = _generation_config(tokenizer)
-    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
 
@@ -121,7 +127,9 @@ def _greedy_sample(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, 
     return str(tokenizer.decode(output[0], skip_special_tokens=True))
 
 
-def _loss_logger(progress: Progress, task: int, log: list[float]) -> Callable[[int, float], None]:
+def _loss_logger(
+    progress: Progress, task: TaskID, log: list[float]
+) -> Callable[[int, float], None]:
     window: list[float] = []
 
     def on_step(step: int, loss: float) -> None:
@@ -171,7 +179,7 @@ def build_demo(out: Path, spec: BuildSpec, *, show_progress: bool = True) -> dic
             )
         teacher = LlamaForCausalLM(target.config)
         teacher.load_state_dict(target.state_dict())
-        teacher.to(torch.bfloat16)
+        teacher.bfloat16()
         init_draft_from_target(draft, target)
         with timer.phase("draft_distillation"):
             distill_draft(
@@ -187,8 +195,8 @@ def build_demo(out: Path, spec: BuildSpec, *, show_progress: bool = True) -> dic
             "target_sample": _greedy_sample(teacher, tokenizer, 48),
         }
     with timer.phase("save"):
-        _save(teacher, tokenizer, out / "target", torch.bfloat16)
-        _save(draft, tokenizer, out / "draft", torch.float32)
+        _save(teacher, tokenizer, out / "target")
+        _save(draft, tokenizer, out / "draft")
 
     manifest: dict[str, object] = {
         "python": platform.python_version(),

@@ -180,7 +180,9 @@ def held_out_loss(model: LlamaForCausalLM, windows: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def greedy_agreement(draft: LlamaForCausalLM, target: LlamaForCausalLM, windows: torch.Tensor) -> float:
+def greedy_agreement(
+    draft: LlamaForCausalLM, target: LlamaForCausalLM, windows: torch.Tensor
+) -> float:
     """Share of held-out positions where both models' most likely next token is the same.
 
     This is the per-token acceptance probability of greedy speculative decoding when the

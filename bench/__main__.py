@@ -1,0 +1,7 @@
+"""``python -m bench``: the same as ``specgate bench``."""
+
+import typer
+
+from bench.cli import bench
+
+typer.run(bench)

@@ -1,0 +1,236 @@
+"""Turn timed runs into figures: tokens/s, speedups, acceptance, theoretical speedup,
+the recommendation, and the JSON, Markdown and PNG outputs."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.costs import PassCosts
+from bench.variants import Run, Variant
+
+ALL_WORKLOADS = "all"
+# Below this measured speedup a method is not worth switching on.
+WORTHWHILE_SPEEDUP = 1.05
+
+
+def theoretical_speedup(alpha: float, k: float, cost_ratio: float) -> float:
+    """(1 - a^(k+1)) / ((1 - a)(k*c + 1)) for acceptance rate a: expected tokens per target
+    pass over the cost of one speculative step in target passes (Leviathan et al., 2023)."""
+    expected = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1.0)) / (1.0 - alpha)
+    return expected / (k * cost_ratio + 1.0)
+
+
+@dataclass(frozen=True)
+class Row:
+    workload: str
+    variant: Variant
+    tokens: int
+    seconds: float  # sum over prompts of the median over repeats
+    speedup: float
+    acceptance_rate: float | None
+    mean_acceptance_length: float | None
+    mean_k: float | None
+    theoretical: float | None
+    same_tokens_as_plain: bool
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def of_theoretical(self) -> float | None:
+        return self.speedup / self.theoretical if self.theoretical else None
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "workload": self.workload,
+            "variant": self.variant.label,
+            "backend": self.variant.backend,
+            "method": self.variant.method,
+            "k": self.variant.k,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 4),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "speedup": round(self.speedup, 3),
+            "acceptance_rate": _round(self.acceptance_rate),
+            "mean_acceptance_length": _round(self.mean_acceptance_length),
+            "mean_k": _round(self.mean_k),
+            "theoretical_speedup": _round(self.theoretical),
+            "of_theoretical": _round(self.of_theoretical),
+            "same_tokens_as_plain": self.same_tokens_as_plain,
+        }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+# (workload, prompt name, variant) -> runs over repeats
+RunTable = dict[tuple[str, str, Variant], list[Run]]
+
+
+def summarise(
+    runs: RunTable, variants: list[Variant], costs: PassCosts
+) -> list[Row]:
+    """One row per workload and variant, plus all workloads combined when there are several."""
+    baseline = Variant("specgate", "none", None)
+    workloads = sorted({workload for workload, _, _ in runs})
+    if len(workloads) > 1:
+        workloads.append(ALL_WORKLOADS)
+    rows: list[Row] = []
+    for workload in workloads:
+        keys = sorted(
+            (w, p) for w, p, _ in runs if workload in (w, ALL_WORKLOADS)
+        )
+        keys = list(dict.fromkeys(keys))
+        base_seconds = sum(statistics.median(r.seconds for r in runs[(w, p, baseline)])
+                           for w, p in keys)
+        for variant in variants:
+            rows.append(_row(workload, variant, keys, runs, base_seconds, baseline, costs))
+    return rows
+
+
+def _row(
+    workload: str, variant: Variant, keys: list[tuple[str, str]], runs: RunTable,
+    base_seconds: float, baseline: Variant, costs: PassCosts,
+) -> Row:
+    chosen = [runs[(w, p, variant)] for w, p in keys]
+    seconds = sum(statistics.median(r.seconds for r in repeats) for repeats in chosen)
+    tokens = sum(len(repeats[0].token_ids) for repeats in chosen)
+    same = all(
+        run.token_ids == runs[(w, p, baseline)][0].token_ids
+        for (w, p), repeats in zip(keys, chosen, strict=True)
+        for run in repeats
+    )
+    stats = [run.stats for repeats in chosen for run in repeats if run.stats is not None]
+    drafted = sum(s.num_draft_tokens for s in stats)
+    accepted = sum(s.num_accepted_tokens for s in stats)
+    drafts = sum(s.num_drafts for s in stats)
+    alpha = accepted / drafted if drafted else None
+    mean_k = drafted / drafts if drafts else None
+    cost_ratio = costs.draft_cost_ratio if variant.method == "draft" else 0.0
+    theoretical = (
+        theoretical_speedup(alpha, mean_k, cost_ratio)
+        if alpha is not None and mean_k is not None and cost_ratio is not None
+        and variant.backend == "specgate"
+        else None
+    )
+    return Row(
+        workload=workload,
+        variant=variant,
+        tokens=tokens,
+        seconds=seconds,
+        speedup=base_seconds / seconds if seconds > 0 else 0.0,
+        acceptance_rate=alpha,
+        mean_acceptance_length=1.0 + accepted / drafts if drafts else None,
+        mean_k=mean_k,
+        theoretical=theoretical,
+        same_tokens_as_plain=same,
+    )
+
+
+def recommend(rows: list[Row], workload: str) -> str:
+    """The Specgate variant with the best measured speedup, or plain decoding."""
+    candidates = [
+        r for r in rows
+        if r.workload == workload and r.variant.backend == "specgate" and r.variant.method != "none"
+        and r.same_tokens_as_plain
+    ]
+    best = max(candidates, key=lambda r: r.speedup, default=None)
+    if best is None or best.speedup < WORTHWHILE_SPEEDUP:
+        return (
+            f"{workload}: keep plain decoding (`--method none`); no speculative method "
+            f"reached {WORTHWHILE_SPEEDUP}x here."
+        )
+    if best.variant.k is None:
+        k_text = "adaptive K (leave `--num-speculative-tokens` unset"
+        k_text += f"; it averaged {best.mean_k:.1f} proposals per step)" if best.mean_k else ")"
+    else:
+        k_text = f"`--num-speculative-tokens {best.variant.k}`"
+    acceptance = (
+        f", acceptance rate {best.acceptance_rate:.2f}" if best.acceptance_rate is not None else ""
+    )
+    return (
+        f"{workload}: use `--method {best.variant.method}` with {k_text}: expected speedup "
+        f"{best.speedup:.2f}x over plain decoding{acceptance}."
+    )
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def markdown(rows: list[Row], header: dict[str, object]) -> str:
+    lines = ["# Specgate benchmark", ""]
+    lines += [f"- {key}: {value}" for key, value in header.items()]
+    lines += [
+        "",
+        "| workload | method | tokens/s | speedup | acceptance rate | mean acceptance length "
+        "| theoretical speedup | of theoretical | same tokens as plain |",
+        "|---|---|---:|---:|---:|---:|---:|---:|:-:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.workload} | {r.variant.label} | {r.tokens_per_second:.1f} | "
+            f"{r.speedup:.2f}x | {_fmt(r.acceptance_rate, '{:.2f}')} | "
+            f"{_fmt(r.mean_acceptance_length, '{:.2f}')} | {_fmt(r.theoretical, '{:.2f}x')} | "
+            f"{_fmt(r.of_theoretical, '{:.0%}')} | {'yes' if r.same_tokens_as_plain else 'NO'} |"
+        )
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    lines += ["", "## Recommendation", ""]
+    lines += [f"- {recommend(rows, w)}" for w in workloads]
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    labels = list(dict.fromkeys(r.variant.label for r in rows))
+    width = 0.8 / len(workloads)
+    figure, axes = plt.subplots(figsize=(max(6.0, 1.1 * len(labels)), 4.0))
+    for index, workload in enumerate(workloads):
+        speedups = {r.variant.label: r.speedup for r in rows if r.workload == workload}
+        positions = [i + (index - (len(workloads) - 1) / 2) * width for i in range(len(labels))]
+        axes.bar(positions, [speedups.get(label, 0.0) for label in labels], width, label=workload)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    axes.set_ylabel("speedup over plain decoding (greedy)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_outputs(
+    out: Path, rows: list[Row], header: dict[str, object], costs: PassCosts,
+    runs: RunTable,
+) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "bench.json", "markdown": out / "bench.md", "chart": out / "bench.png"}
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    document = {
+        **header,
+        "pass_costs": costs.as_dict(),
+        "rows": [r.as_dict() for r in rows],
+        "recommendations": {w: recommend(rows, w) for w in workloads},
+        "runs": [
+            {
+                "workload": w, "prompt": p, "variant": v.label, "repeat": i,
+                "seconds": round(run.seconds, 5), "tokens": len(run.token_ids),
+                "stats": run.stats.as_dict() if run.stats else None,
+            }
+            for (w, p, v), repeats in runs.items()
+            for i, run in enumerate(repeats)
+        ],
+    }
+    paths["json"].write_text(json.dumps(document, indent=2) + "\n")
+    paths["markdown"].write_text(markdown(rows, header))
+    chart(rows, paths["chart"])
+    return paths

@@ -1,0 +1,101 @@
+"""Run every variant on every prompt, interleaved, and collect the timed runs."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from bench.costs import PassCosts, measure_pass_costs, median_costs
+from bench.report import RunTable
+from bench.variants import Generator, Variant, hf_variants, specgate_variants
+from bench.workload import BenchPrompt
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.loading import load_model, pick_device
+from engine.service import Engine
+from engine.types import Method
+
+
+@dataclass(frozen=True)
+class BenchSetup:
+    target: Path
+    draft: Path | None
+    repeats: int
+    fixed_k: int
+
+
+@dataclass
+class BenchRun:
+    variants: list[Variant]
+    runs: RunTable
+    costs: PassCosts
+    header: dict[str, object]
+
+
+def _engine_config(setup: BenchSetup) -> EngineConfig:
+    # Fallback off: the benchmark measures each method itself, not the fallback policy.
+    speculative = SpeculativeConfig(acceptance_threshold=0.0)
+    return EngineConfig(target=setup.target, draft=setup.draft, speculative=speculative)
+
+
+def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engine: Engine) -> BenchRun:
+    """Each repeat visits every prompt; per prompt the variants run in a rotating order so that
+    slow phases of a noisy machine fall on every variant alike. Pass costs are measured before
+    each repeat and their medians kept."""
+    device = pick_device(None)
+    target = load_model(setup.target, device, "auto")
+    draft = load_model(setup.draft, device, "auto") if setup.draft else None
+    methods: tuple[Method, ...] = engine.available_methods
+    variants = specgate_variants(methods, setup.fixed_k) + hf_variants(methods)
+    generator = Generator(engine, target, draft)
+    context = list(prompts[0].prompt_ids)
+    cost_samples = []
+
+    runs: RunTable = defaultdict(list)
+    total = setup.repeats * len(prompts) * len(variants)
+    with Progress() as progress:
+        task = progress.add_task("benchmark", total=total)
+        for repeat in range(setup.repeats):
+            cost_samples.append(measure_pass_costs(target, draft, context, setup.fixed_k))
+            for index, prompt in enumerate(prompts):
+                shift = (repeat + index) % len(variants)
+                for variant in variants[shift:] + variants[:shift]:
+                    run = generator.run(variant, prompt.prompt_ids, prompt.max_tokens)
+                    runs[(prompt.workload, prompt.name, variant)].append(run)
+                    progress.advance(task)
+    costs = median_costs(cost_samples)
+    header: dict[str, object] = {
+        "target": f"{setup.target} ({engine.target_version[:19]}…, {target.dtype})",
+        "draft": (
+            f"{setup.draft} ({engine.draft_version and engine.draft_version[:19]}…, "
+            f"{draft.dtype if draft is not None else '-'})"
+        ),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads "
+        f"{torch.get_num_threads()}, torch {torch.__version__}",
+        "prompts": f"{len(prompts)} ({', '.join(sorted({p.workload for p in prompts}))})",
+        "repeats": setup.repeats,
+        "decoding": "greedy; medians over repeats; methods interleaved per prompt",
+        "pass costs": (
+            f"target {costs.target_one_ms:.2f} ms for 1 token, {costs.target_verify_ms:.2f} ms "
+            f"for {costs.verify_tokens}; draft "
+            f"{_fmt_ms(costs.draft_one_ms)} (c = {_fmt_ratio(costs.draft_cost_ratio)})"
+        ),
+    }
+    return BenchRun(variants, dict(runs), costs, header)
+
+
+def _fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def load_engine(setup: BenchSetup) -> Engine:
+    return Engine.load(_engine_config(setup))

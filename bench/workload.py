@@ -1,0 +1,70 @@
+"""The prompts a benchmark runs: the built-in held-out sets, or an operator's own file.
+
+A prompt file holds JSON lines, each a completion request ``{"prompt": "..."}`` or a chat
+request ``{"messages": [...]}``, optionally with ``"max_tokens"``. The built-in sets were cut
+from standard-library files that the demo build holds out of training (``source`` names the
+file and line): ``code`` asks for the body of a documented function, ``quoting`` asks to
+repeat or lightly edit code given in the prompt, where n-gram lookup shines.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from transformers import PreTrainedTokenizerBase
+
+BUILTIN_DIR = Path(__file__).parent / "prompts"
+BUILTIN_SETS = ("code", "quoting")
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    workload: str
+    name: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+
+
+def _encode(request: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    if "messages" in request:
+        encoded = tokenizer.apply_chat_template(
+            request["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return [int(i) for i in cast(list[int], encoded)]
+    if "prompt" in request:
+        return [int(i) for i in tokenizer.encode(request["prompt"], add_special_tokens=False)]
+    raise ValueError("each line needs a 'prompt' (completion) or 'messages' (chat) field")
+
+
+def load_prompts(
+    path: Path, workload: str, tokenizer: PreTrainedTokenizerBase, max_tokens: int, limit: int
+) -> list[BenchPrompt]:
+    """Read up to ``limit`` requests from a JSON-lines file and tokenize them."""
+    prompts: list[BenchPrompt] = []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    for number, line in enumerate(lines[:limit], start=1):
+        try:
+            request = json.loads(line)
+            ids = _encode(request, tokenizer)
+        except (json.JSONDecodeError, ValueError) as exc:
+            raise ValueError(f"{path}:{number}: {exc}") from None
+        name = str(request.get("source") or f"{path.name}:{number}")
+        prompts.append(
+            BenchPrompt(workload, name, tuple(ids), int(request.get("max_tokens", max_tokens)))
+        )
+    return prompts
+
+
+def builtin_prompts(
+    tokenizer: PreTrainedTokenizerBase, max_tokens: int, limit: int
+) -> list[BenchPrompt]:
+    return [
+        prompt
+        for workload in BUILTIN_SETS
+        for prompt in load_prompts(
+            BUILTIN_DIR / f"{workload}.jsonl", workload, tokenizer, max_tokens, limit
+        )
+    ]

@@ -1,0 +1,119 @@
+"""The benchmark: its arithmetic on known runs, and one real run on tiny models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from typer import Typer
+from typer.testing import CliRunner
+
+from bench.cli import bench
+from bench.costs import PassCosts
+from bench.report import RunTable, recommend, summarise, theoretical_speedup
+from bench.variants import Run, Variant
+from engine.types import GenerationStats, Method
+from tests.tiny_models import build_pair
+
+NONE = Variant("specgate", "none", None)
+NGRAM = Variant("specgate", "ngram", 4)
+DRAFT = Variant("specgate", "draft", None)
+HF_PLAIN = Variant("hf", "none", None)
+COSTS = PassCosts(context_tokens=8, target_one_ms=10.0, target_verify_ms=11.0, verify_tokens=5,
+                  draft_one_ms=1.0)
+
+
+def test_theoretical_speedup_known_values() -> None:
+    assert theoretical_speedup(0.5, 2, 0.0) == pytest.approx(1.75)
+    assert theoretical_speedup(1.0, 4, 0.1) == pytest.approx(5 / 1.4)
+    assert theoretical_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
+
+
+@given(
+    st.floats(0.0, 0.99), st.floats(0.0, 0.99), st.integers(1, 16), st.floats(0.0, 1.0)
+)
+def test_theoretical_speedup_grows_with_acceptance_and_stays_bounded(
+    a: float, b: float, k: int, c: float
+) -> None:
+    low, high = sorted((a, b))
+    assert theoretical_speedup(low, k, c) <= theoretical_speedup(high, k, c) + 1e-12
+    assert 1.0 / (k * c + 1.0) - 1e-12 <= theoretical_speedup(low, k, c) <= k + 1.0
+
+
+def _stats(method: Method, drafts: int, drafted: int, accepted: int) -> GenerationStats:
+    return GenerationStats(
+        method=method,
+        num_drafts=drafts,
+        num_draft_tokens=drafted,
+        num_accepted_tokens=accepted,
+    )
+
+
+def _table() -> RunTable:
+    plain = (1, 2, 3, 4)
+    return {
+        ("code", "p1", NONE): [Run(plain, 4.0, _stats("none", 0, 0, 0)),
+                               Run(plain, 2.0, _stats("none", 0, 0, 0)),
+                               Run(plain, 3.0, _stats("none", 0, 0, 0))],
+        ("code", "p1", NGRAM): [Run(plain, 1.5, _stats("ngram", 2, 8, 4))] * 3,
+        ("code", "p1", DRAFT): [Run(plain, 1.0, _stats("draft", 2, 6, 6))] * 3,
+        ("code", "p1", HF_PLAIN): [Run((1, 2, 3, 9), 3.0, None)] * 3,
+    }
+
+
+def test_summary_uses_medians_and_pooled_acceptance() -> None:
+    rows = {r.variant: r for r in summarise(_table(), [NONE, NGRAM, DRAFT, HF_PLAIN], COSTS)}
+    assert [r.workload for r in rows.values()] == ["code"] * 4
+    assert rows[NONE].speedup == 1.0
+    assert rows[NONE].tokens_per_second == pytest.approx(4 / 3.0)
+    assert rows[NGRAM].speedup == pytest.approx(2.0)
+    assert rows[NGRAM].acceptance_rate == pytest.approx(0.5)
+    assert rows[NGRAM].mean_acceptance_length == pytest.approx(3.0)
+    assert rows[NGRAM].theoretical == pytest.approx(theoretical_speedup(0.5, 4.0, 0.0))
+    assert rows[DRAFT].theoretical == pytest.approx(theoretical_speedup(1.0, 3.0, 0.1))
+    assert rows[DRAFT].of_theoretical == pytest.approx(3.0 / theoretical_speedup(1.0, 3.0, 0.1))
+    assert rows[HF_PLAIN].theoretical is None
+    assert not rows[HF_PLAIN].same_tokens_as_plain
+    assert rows[DRAFT].same_tokens_as_plain
+
+
+def test_recommendation_names_the_fastest_lossless_method() -> None:
+    rows = summarise(_table(), [NONE, NGRAM, DRAFT, HF_PLAIN], COSTS)
+    text = recommend(rows, "code")
+    assert text.startswith("code: use `--method draft` with adaptive K")
+    assert "expected speedup 3.00x" in text
+    slow = {key: [Run(r.token_ids, 3.0, r.stats) for r in runs] for key, runs in _table().items()}
+    assert "keep plain decoding" in recommend(summarise(slow, [NONE, NGRAM, DRAFT], COSTS), "code")
+
+
+def test_bench_command_runs_every_method_on_tiny_models(tmp_path: Path) -> None:
+    target, draft = build_pair(tmp_path / "models")
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "for i in range(10):"}]}) + "\n"
+    )
+    out = tmp_path / "out"
+    app = Typer()
+    app.command()(bench)
+    result = CliRunner().invoke(app, [
+        "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+        "--out", str(out), "--max-tokens", "12", "--repeats", "1", "--k", "3",
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    labels = [row["variant"] for row in report["rows"]]
+    assert labels == [
+        "none", "ngram k=auto", "ngram k=3", "draft k=auto", "draft k=3",
+        "HF plain", "HF prompt lookup", "HF assisted",
+    ]
+    assert {row["workload"] for row in report["rows"]} == {"mine"}
+    assert all(row["same_tokens_as_plain"] for row in report["rows"])
+    assert all(row["tokens"] == 24 for row in report["rows"])
+    assert len(report["runs"]) == 2 * len(labels)
+    assert report["recommendations"]["mine"].startswith("mine: ")
+    assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| mine | draft k=3 |" in (out / "bench.md").read_text()
