@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from opentelemetry import context as otel_context
@@ -361,12 +360,3 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> froz
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
 
-
-def load_engine(
-    target: Path,
-    draft: Path | None = None,
-    on_fallback: FallbackListener | None = None,
-    **config: object,
-) -> Engine:
-    """Shorthand for ``Engine.load(EngineConfig(target=..., draft=..., **config))``."""
-    return Engine.load(EngineConfig(target=target, draft=draft, **config), on_fallback)  # type: ignore[arg-type]

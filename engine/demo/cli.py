@@ -24,6 +24,9 @@ def build_demo_command(
     quick: Annotated[
         bool, typer.Option(help="Tiny models in seconds, for CI and tests (they write noise).")
     ] = False,
+    if_missing: Annotated[
+        bool, typer.Option(help="Do nothing when a built pair is already there.")
+    ] = False,
 ) -> None:
     """Train the demo tokenizer, target and draft on the Python standard library."""
     # Spinning OpenMP threads collapse throughput when the cores are shared with other work
@@ -33,6 +36,9 @@ def build_demo_command(
     from engine.demo.paths import default_demo_dir
 
     target_dir = out or default_demo_dir()
+    if if_missing and all((target_dir / m / "config.json").is_file() for m in ("target", "draft")):
+        typer.echo(f"demo pair already built in {target_dir}")
+        return
     manifest = build_demo(target_dir, QUICK if quick else FULL)
     seconds = manifest["seconds"]
     evaluation = manifest["evaluation"]
