@@ -52,13 +52,28 @@ def _cli_actor() -> str:
 
 @contextmanager
 def _key_store(database_url: str | None) -> Iterator[KeyStore]:
-    from gateway.audit.log import AuditLog
-    from gateway.db import make_db_engine
+    import sqlalchemy as sa
+
+    from gateway.audit.log import AuditLog, AuditUnavailableError
+    from gateway.db import is_sqlite, make_db_engine, upgrade_database
     from gateway.keys import KeyStore
 
-    db = make_db_engine(_resolve_url(database_url))
+    url = _resolve_url(database_url)
+    db = make_db_engine(url)
     try:
+        if is_sqlite(db):
+            # The embedded store migrates itself, as `specgate serve` does.
+            upgrade_database(url)
         yield KeyStore(db, AuditLog(db))
+    except (sa.exc.SQLAlchemyError, AuditUnavailableError) as error:
+        cause = error.__cause__ or error
+        detail = str(getattr(cause, "orig", None) or cause).splitlines()[0]
+        typer.echo(
+            f"error: the database is not reachable or not migrated ({detail}); "
+            "run `specgate db upgrade --database-url ...` first",
+            err=True,
+        )
+        raise typer.Exit(2) from None
     finally:
         db.dispose()
 

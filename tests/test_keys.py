@@ -139,3 +139,22 @@ def test_db_upgrade_cli_creates_schema_from_any_directory(
     engine.dispose()
     assert {"audit_events", "api_keys"} <= tables
     assert version == "0001"
+
+
+def test_cli_on_a_fresh_laptop_migrates_sqlite_and_names_missing_postgres_migrations(
+    tmp_path: Path, pg_url: str
+) -> None:
+    from gateway.cli import app
+
+    runner = CliRunner()
+    sqlite_url = f"sqlite:///{tmp_path}/fresh.db"
+    created = runner.invoke(
+        app, ["keys", "create", "--role", "app", "--name", "laptop", "--database-url", sqlite_url]
+    )
+    assert created.exit_code == 0, created.output
+    listed = runner.invoke(app, ["keys", "list", "--database-url", sqlite_url])
+    assert "laptop" in listed.output
+    bare = pg_url.rsplit("/", 1)[0] + "/postgres"
+    refused = runner.invoke(app, ["keys", "list", "--database-url", bare])
+    assert refused.exit_code == 2
+    assert "specgate db upgrade" in refused.output
