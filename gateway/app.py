@@ -110,6 +110,11 @@ def create_app(settings: Settings) -> FastAPI:
             host=settings.host,
             port=settings.port,
         )
+        if not await run_in_threadpool(services.keys.list):
+            log.warning(
+                "no_api_keys",
+                hint="create one with: specgate keys create --role app --name NAME",
+            )
         try:
             yield
         finally:
