@@ -39,25 +39,70 @@ class _Ewma:
         )
 
 
+class PassCosts:
+    """Measured seconds of a target pass by number of tokens fed, and of one proposer pass.
+
+    Shared by all requests of an engine: calibrated when the engine loads (a request that
+    always speculates never runs a one-token pass, so it could not measure that cost itself)
+    and refined by every pass served.
+    """
+
+    WEIGHT = 0.1
+
+    def __init__(self) -> None:
+        self._target: dict[int, _Ewma] = {}
+        self._proposer: dict[str, _Ewma] = {}
+        self._lock = threading.Lock()
+
+    def record_target(self, tokens: int, seconds: float) -> None:
+        with self._lock:
+            self._target.setdefault(tokens, _Ewma(self.WEIGHT)).update(seconds)
+
+    def record_proposer(self, method: str, seconds: float) -> None:
+        with self._lock:
+            self._proposer.setdefault(method, _Ewma(self.WEIGHT)).update(seconds)
+
+    def proposer(self, method: str) -> float:
+        with self._lock:
+            ewma = self._proposer.get(method)
+            return ewma.value if ewma is not None and ewma.value is not None else 0.0
+
+    def target(self, tokens: int) -> float | None:
+        """Seconds for a pass of ``tokens``, interpolated between measured sizes."""
+        with self._lock:
+            known = sorted((n, e.value) for n, e in self._target.items() if e.value is not None)
+        if not known:
+            return None
+        below = [(n, t) for n, t in known if n <= tokens]
+        above = [(n, t) for n, t in known if n >= tokens]
+        if below and above:
+            (n0, t0), (n1, t1) = below[-1], above[0]
+        elif len(known) >= 2:
+            (n0, t0), (n1, t1) = (known[-2], known[-1]) if below else (known[0], known[1])
+        else:
+            return known[0][1]
+        if n1 == n0:
+            return t0
+        return max(0.0, t0 + (t1 - t0) * (tokens - n0) / (n1 - n0))
+
+
 class SpeculationLength:
     """Per-request choice of k from acceptance and measured pass costs.
 
-    Target pass time is modelled as ``base + per_token * tokens`` (fitted from the passes
-    seen), a draft pass as a constant; k maximises expected tokens / expected step time.
+    k maximises expected tokens per second, (1 - a^(k+1)) / (1 - a) over
+    (k * proposer pass + target pass of k + 1 tokens); k = 0 (a plain step) wins when no
+    proposal length pays for itself.
     """
 
     PRIOR_TOKENS = 8.0
 
-    def __init__(self, max_k: int, prior_alpha: float, proposal_cost: bool) -> None:
+    def __init__(self, max_k: int, prior_alpha: float, costs: PassCosts, method: str) -> None:
         self.max_k = max_k
         self.prior_alpha = prior_alpha
-        self.proposal_cost = proposal_cost
+        self.costs = costs
+        self.method = method
         self.proposed = 0
         self.accepted = 0
-        self.draft_pass = _Ewma(0.2)
-        self.target_one = _Ewma(0.2)
-        self.target_many = _Ewma(0.2)
-        self.many_tokens = _Ewma(0.2)
 
     @property
     def alpha(self) -> float:
@@ -68,33 +113,15 @@ class SpeculationLength:
         self.proposed += proposed
         self.accepted += accepted
 
-    def record_draft_pass(self, seconds: float) -> None:
-        self.draft_pass.update(seconds)
-
-    def record_target_pass(self, tokens: int, seconds: float) -> None:
-        if tokens == 1:
-            self.target_one.update(seconds)
-        else:
-            self.target_many.update(seconds)
-            self.many_tokens.update(tokens)
-
-    def _target_time(self, tokens: int) -> float:
-        one = self.target_one.value
-        many = self.target_many.value
-        if one is None or many is None or self.many_tokens.value is None:
-            return 1.0  # no measurements yet: treat passes as equally expensive
-        span = self.many_tokens.value - 1.0
-        per_token = max(0.0, (many - one) / span) if span > 0 else 0.0
-        return one + per_token * (tokens - 1)
-
     def choose(self) -> int:
+        plain = self.costs.target(1)
+        if plain is None:
+            return self.max_k  # nothing measured yet: every pass costs the same
         alpha = min(self.alpha, 0.999)
-        draft = (self.draft_pass.value or 0.0) if self.proposal_cost else 0.0
-        if self.target_one.value is None:
-            draft = 0.0
-        best_k, best_rate = 1, 0.0
+        proposal = self.costs.proposer(self.method)
+        best_k, best_rate = 0, 1.0 / plain if plain > 0 else 0.0
         for k in range(1, self.max_k + 1):
-            rate = expected_tokens(alpha, k) / (k * draft + self._target_time(k + 1))
+            rate = expected_tokens(alpha, k) / (k * proposal + (self.costs.target(k + 1) or plain))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.adaptive import SpeculationLength
+from engine.adaptive import PassCosts, SpeculationLength
 from engine.model_runner import ModelRunner
 from engine.proposers.base import Proposal, Proposer
 from engine.sampling import Verdict, probabilities, verify_greedy, verify_sampled
@@ -46,6 +46,7 @@ def decode(
     generator: torch.Generator,
     stats: GenerationStats,
     speculation: Speculation | None = None,
+    costs: PassCosts | None = None,
 ) -> Generator[list[int], None, None]:
     """Yield the tokens committed by each target pass until ``params.max_tokens`` are out.
 
@@ -61,16 +62,18 @@ def decode(
         if speculation is not None and k > 0:
             started = time.perf_counter()
             proposal = speculation.proposer.propose(context, k, params, generator)
-            if proposal.tokens:
-                speculation.length.record_draft_pass((time.perf_counter() - started) / k)
+            if costs is not None and proposal.tokens:
+                costs.record_proposer(
+                    speculation.proposer.method, (time.perf_counter() - started) / k
+                )
 
         committed = len(context)
         fed = [context[-1], *proposal.tokens]
         started = time.perf_counter()
         logits = target.forward(fed)
         verdict = _verify(proposal, logits, params, generator)
-        if speculation is not None:
-            speculation.length.record_target_pass(len(fed), time.perf_counter() - started)
+        if costs is not None:
+            costs.record_target(len(fed), time.perf_counter() - started)
 
         new_tokens = [*proposal.tokens[: verdict.num_accepted], verdict.next_token]
         target.truncate(committed + verdict.num_accepted)

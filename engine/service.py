@@ -19,7 +19,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.adaptive import FallbackMonitor, SpeculationLength
+from engine.adaptive import FallbackMonitor, PassCosts, SpeculationLength
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill
 from engine.loading import check_draft_compatible, load_model, load_tokenizer, pick_device
@@ -141,6 +141,8 @@ class Engine:
             on_fallback,
         )
         self._load_shedding = False
+        self._costs = PassCosts()
+        self._calibrate()
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=config.max_queue)
         self._closed = False
         self._worker = threading.Thread(target=self._serve, name="specgate-engine", daemon=True)
@@ -264,10 +266,32 @@ class Engine:
         elif self._shed_load() or not self._monitor.admit(method):
             return _Plan(None, method, True)
         prior, _ = self._monitor.rate(method)
-        length = SpeculationLength(
-            spec.max_speculative_tokens, prior_alpha=prior, proposal_cost=method == "draft"
-        )
+        length = SpeculationLength(spec.max_speculative_tokens, prior, self._costs, method)
         return _Plan(Speculation(self._proposers[method], fixed_k, length), method, False)
+
+    def _calibrate(self, repeats: int = 3) -> None:
+        """Time target passes of 1 to max_k + 1 tokens, and a draft pass, once at load, so that
+        adaptive k starts from this machine's real costs (refined by every pass served)."""
+        prompt = [i % self.vocab_size for i in range(3, 35)]
+
+        def seconds(runner: ModelRunner, tokens: list[int]) -> float:
+            times = []
+            for _ in range(repeats + 1):  # the first pass warms up
+                length = runner.length
+                started = time.perf_counter()
+                runner.forward(tokens).sum().item()
+                times.append(time.perf_counter() - started)
+                runner.truncate(length)
+            return sorted(times[1:])[len(times[1:]) // 2]
+
+        prefill(self._target, prompt)
+        for tokens in range(1, self.speculative_config.max_speculative_tokens + 2):
+            self._costs.record_target(tokens, seconds(self._target, prompt[:tokens]))
+        draft = self._proposers.get("draft")
+        if isinstance(draft, DraftModelProposer):
+            prefill(draft.runner, prompt)
+            self._costs.record_proposer("draft", seconds(draft.runner, prompt[-1:]))
+            draft.start([])
 
     def _shed_load(self) -> bool:
         """Step down to plain decoding while too many requests wait (vLLM's batch-size rule)."""
@@ -312,7 +336,9 @@ class Engine:
             span.set_attribute("specgate.prompt_tokens", len(prompt))
             prefill(self._target, prompt)
         with _tracer.start_as_current_span("specgate.decode") as span:
-            steps = decode(self._target, prompt, params, generator, stats, plan.speculation)
+            steps = decode(
+                self._target, prompt, params, generator, stats, plan.speculation, self._costs
+            )
             for tokens in steps:
                 if handle.cancelled:
                     break
@@ -359,4 +385,3 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> froz
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
-

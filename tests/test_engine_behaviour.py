@@ -12,7 +12,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.adaptive import FallbackMonitor, SpeculationLength, expected_tokens, theoretical_speedup
+from engine.adaptive import (
+    FallbackMonitor,
+    PassCosts,
+    SpeculationLength,
+    expected_tokens,
+    theoretical_speedup,
+)
 from engine.config import EngineConfig, SpeculativeConfig, speculative_config_from_vllm
 from engine.model_runner import ModelRunner
 from engine.service import Engine
@@ -288,18 +294,44 @@ def test_monitor_needs_a_full_window_before_switching() -> None:
     assert not monitor.is_disabled("draft") and events[-1].action == "enabled"
 
 
+def costs_of(per_extra_token: float, draft: float) -> PassCosts:
+    costs = PassCosts()
+    for tokens in range(1, 10):
+        costs.record_target(tokens, 0.020 + per_extra_token * (tokens - 1))
+    costs.record_proposer("draft", draft)
+    return costs
+
+
 def test_speculation_length_follows_acceptance_and_cost() -> None:
-    good = SpeculationLength(max_k=8, prior_alpha=0.9, proposal_cost=True)
-    poor = SpeculationLength(max_k=8, prior_alpha=0.2, proposal_cost=True)
-    for chooser in (good, poor):
-        chooser.record_target_pass(1, 0.020)
-        chooser.record_target_pass(5, 0.022)
-        chooser.record_draft_pass(0.002)
+    flat = costs_of(per_extra_token=0.0005, draft=0.002)  # memory-bound verification
+    good = SpeculationLength(max_k=8, prior_alpha=0.9, costs=flat, method="draft")
+    poor = SpeculationLength(max_k=8, prior_alpha=0.2, costs=flat, method="draft")
     good.record(40, 38)
     poor.record(40, 6)
     assert good.choose() > poor.choose() >= 1
+    # Compute-bound verification and a poor draft: a plain step is cheaper than any proposal.
+    steep = costs_of(per_extra_token=0.015, draft=0.008)
+    hopeless = SpeculationLength(max_k=8, prior_alpha=0.2, costs=steep, method="draft")
+    assert hopeless.choose() == 0
+    # With nothing measured yet every pass costs the same, so the longest proposal wins.
+    assert SpeculationLength(8, 0.5, PassCosts(), "draft").choose() == 8
     assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
     assert theoretical_speedup(0.8, 4, 0.1) == pytest.approx(2.4011, abs=1e-4)
+
+
+def test_pass_costs_interpolate_between_measured_sizes() -> None:
+    costs = PassCosts()
+    assert costs.target(3) is None
+    costs.record_target(1, 0.010)
+    costs.record_target(5, 0.030)
+    assert costs.target(3) == pytest.approx(0.020)
+    assert costs.target(7) == pytest.approx(0.040)
+
+
+def test_engine_calibrates_pass_costs_at_load(engine: Engine) -> None:
+    for tokens in range(1, engine.speculative_config.max_speculative_tokens + 2):
+        assert (engine._costs.target(tokens) or 0) > 0
+    assert engine._costs.proposer("draft") > 0
 
 
 def test_vllm_speculative_config_is_accepted() -> None:

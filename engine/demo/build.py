@@ -1,10 +1,13 @@
 """``specgate models build-demo``: tokenizer, target and distilled draft, saved in HF format.
 
-The full build is sized for about half an hour on two CPU cores. The target is a deep,
-narrow Llama: at this size a CPU decoding step costs about the same for one new token as for
-five (per-layer overhead and memory traffic dominate), which is the regime where verifying
-several proposed tokens in one pass pays. The draft is the same width with one layer,
-started from the target's first layer and head and distilled from the target.
+The full build took 33.5 minutes on two shared CPU cores. The target is a deep, narrow
+Llama (11M parameters, 12 layers of width 256): on CPU its decoding step is dominated by
+per-layer overhead, so five new tokens cost little more than one (measured: 8.4 vs 10.4 ms in
+float32, 8.9 vs 9.3 ms in bfloat16), which is the regime where verifying several proposed
+tokens in one pass pays; and at this training budget (2.9M tokens) a small model learns
+more than a large one. The draft is the same width with one layer (about 1 ms a step),
+started from the target's first layer, embeddings and head, and distilled from the target.
+The models train on 512-token windows; ``max_position_embeddings`` is 1024.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from engine.demo.training import (
 )
 
 END_OF_TURN = "<|end|>"
-SAMPLE_PROMPT = "def "
+SAMPLE_PROMPT = "import os\n\n\ndef "
 LOSS_LOG_EVERY = 10
 
 
@@ -64,10 +67,10 @@ class BuildSpec:
 FULL = BuildSpec(
     vocab_size=4096,
     max_positions=1024,
-    target=ModelShape(hidden=384, layers=12, intermediate=1024, heads=6, kv_heads=2),
+    target=ModelShape(hidden=256, layers=12, intermediate=688, heads=4, kv_heads=2),
     draft_layers=1,
-    target_schedule=Schedule(steps=450, batch_size=4, seq_len=512, lr=1.5e-3, warmup_steps=25),
-    draft_schedule=Schedule(steps=150, batch_size=8, seq_len=512, lr=1e-3, warmup_steps=10),
+    target_schedule=Schedule(steps=1400, batch_size=4, seq_len=512, lr=2e-3, warmup_steps=50),
+    draft_schedule=Schedule(steps=250, batch_size=8, seq_len=512, lr=1e-3, warmup_steps=10),
     eval_windows=12,
     max_files=None,
 )
