@@ -29,6 +29,10 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Timed runs per prompt and method.")] = 3,
     limit: Annotated[int, typer.Option(help="Prompts to take from each set.")] = 8,
     k: Annotated[int, typer.Option(help="The fixed K measured beside adaptive K.")] = 4,
+    threads: Annotated[
+        int | None,
+        typer.Option(help="torch CPU threads for every method (default: torch's choice)."),
+    ] = None,
 ) -> None:
     """Benchmark plain, n-gram and draft-model decoding, and Hugging Face's equivalents."""
     from bench.report import summarise, write_outputs
@@ -36,6 +40,10 @@ def bench(
     from bench.workload import builtin_prompts, load_prompts
     from engine.demo.paths import default_demo_dir
 
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     if target is None:
         target = default_demo_dir() / "target"
         draft = draft or default_demo_dir() / "draft"

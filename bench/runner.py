@@ -72,8 +72,9 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engine: Engine) -> 
     header: dict[str, object] = {
         "target": f"{setup.target} ({engine.target_version[:19]}…, {target.dtype})",
         "draft": (
-            f"{setup.draft} ({engine.draft_version and engine.draft_version[:19]}…, "
-            f"{draft.dtype if draft is not None else '-'})"
+            f"{setup.draft} ({(engine.draft_version or '')[:19]}…, {draft.dtype})"
+            if draft is not None
+            else "none"
         ),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads "
         f"{torch.get_num_threads()}, torch {torch.__version__}",
