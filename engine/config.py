@@ -66,6 +66,12 @@ class EngineConfig(BaseModel):
     max_queue: int = Field(
         default=64, ge=1, description="Requests waiting beyond this get QueueFullError."
     )
+    cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch CPU threads (process-wide); None keeps torch's choice. On shared "
+        "cores one thread keeps multi-token verification passes cheap.",
+    )
     served_model_name: str | None = None
 
     @model_validator(mode="after")

@@ -152,6 +152,8 @@ class Engine:
     def load(cls, config: EngineConfig, on_fallback: FallbackListener | None = None) -> Engine:
         """Load target (and draft) from local directories and start the worker."""
         device = pick_device(config.device)
+        if device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         tokenizer = load_tokenizer(config.target)
         target = load_model(config.target, device, config.dtype)
         draft = draft_version = None

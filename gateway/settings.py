@@ -76,6 +76,7 @@ class Settings(BaseSettings):
     device: str | None = None
     served_model_name: str | None = None
     max_queue: int = Field(default=64, ge=1)
+    cpu_threads: int | None = Field(default=None, ge=1, description="torch CPU threads.")
 
     data_dir: Path = Field(default_factory=_default_data_dir)
     database_url: str = Field(
@@ -226,6 +227,7 @@ def engine_config(settings: Settings) -> EngineConfig:
             dtype=settings.dtype,
             device=settings.device,
             max_queue=settings.max_queue,
+            cpu_threads=settings.cpu_threads,
             served_model_name=settings.served_model_name,
         )
     except ValidationError as error:

@@ -156,15 +156,22 @@ def test_speculation_tuning_reaches_the_engine(tmp_path: Path) -> None:
             fallback_probe_interval=4,
             disable_by_queue_depth=5,
             max_speculative_tokens=6,
+            cpu_threads=1,
         )
-    ).speculative
-    assert (tuned.prompt_lookup_min, tuned.prompt_lookup_max) == (2, 3)
-    assert (tuned.acceptance_threshold, tuned.window_tokens, tuned.probe_interval_requests) == (
+    )
+    assert tuned.cpu_threads == 1
+    tuned_spec = tuned.speculative
+    assert (tuned_spec.prompt_lookup_min, tuned_spec.prompt_lookup_max) == (2, 3)
+    assert (
+        tuned_spec.acceptance_threshold,
+        tuned_spec.window_tokens,
+        tuned_spec.probe_interval_requests,
+    ) == (
         0.3,
         32,
         4,
     )
-    assert (tuned.disable_by_queue_depth, tuned.max_speculative_tokens) == (5, 6)
+    assert (tuned_spec.disable_by_queue_depth, tuned_spec.max_speculative_tokens) == (5, 6)
     lookup = engine_config(load_settings(target=target, prompt_lookup_max=7)).speculative
     assert (lookup.prompt_lookup_min, lookup.prompt_lookup_max) == (1, 7)
     with pytest.raises(ConfigError, match="prompt_lookup_min"):

@@ -415,3 +415,15 @@ def test_copy_of_the_target_is_always_accepted(pair: tuple[Path, Path], tmp_path
         assert result.stats.num_target_passes == 5  # 24 tokens at 5 per pass
     finally:
         eng.close()
+
+
+def test_cpu_threads_sets_torch_threads(pair: tuple[Path, Path]) -> None:
+    before = torch.get_num_threads()
+    try:
+        eng = Engine.load(
+            EngineConfig(target=pair[0], dtype="float32", device="cpu", cpu_threads=1)
+        )
+        eng.close()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
