@@ -87,41 +87,57 @@ class PassCosts:
 
 
 class SpeculationLength:
-    """Per-request choice of k from acceptance and measured pass costs.
+    """Per-request choice of k from how long the proposer stays right and what passes cost.
 
-    k maximises expected tokens per second, (1 - a^(k+1)) / (1 - a) over
-    (k * proposer pass + target pass of k + 1 tokens); k = 0 (a plain step) wins when no
-    proposal length pays for itself.
+    Acceptance is bursty (a draft is right for long runs where the text is predictable, an
+    n-gram lookup while the output copies the prompt), so instead of one per-token rate this
+    keeps the survival curve S(j) = P(the first j proposals are accepted), estimated from
+    the steps seen (Kaplan-Meier: a step that accepted all it proposed says nothing about the
+    next position). Expected tokens per pass with k proposals is 1 + S(1) + ... + S(k); k
+    maximises that over (k * proposer pass + target pass of k + 1 tokens). k = 0, a plain
+    step, wins when no proposal length pays for itself.
     """
 
-    PRIOR_TOKENS = 8.0
+    PRIOR_STEPS = 4.0
 
     def __init__(self, max_k: int, prior_alpha: float, costs: PassCosts, method: str) -> None:
         self.max_k = max_k
         self.prior_alpha = prior_alpha
         self.costs = costs
         self.method = method
-        self.proposed = 0
-        self.accepted = 0
-
-    @property
-    def alpha(self) -> float:
-        prior = self.PRIOR_TOKENS
-        return (self.accepted + prior * self.prior_alpha) / (self.proposed + prior)
+        # Per position m: steps that proposed beyond m and accepted at least m ("at risk"),
+        # and those among them whose run of accepted tokens stopped exactly at m.
+        self.at_risk = [0] * max_k
+        self.stopped = [0] * max_k
 
     def record(self, proposed: int, accepted: int) -> None:
-        self.proposed += proposed
-        self.accepted += accepted
+        for m in range(min(accepted + 1, proposed, self.max_k)):
+            self.at_risk[m] += 1
+        if accepted < proposed and accepted < self.max_k:
+            self.stopped[accepted] += 1
+
+    def survival(self) -> list[float]:
+        """S(1) .. S(max_k); positions without data carry the previous position's hazard."""
+        hazard = 1.0 - self.prior_alpha
+        alive, curve = 1.0, []
+        for m in range(self.max_k):
+            hazard = (self.stopped[m] + self.PRIOR_STEPS * hazard) / (
+                self.at_risk[m] + self.PRIOR_STEPS
+            )
+            alive *= 1.0 - hazard
+            curve.append(alive)
+        return curve
 
     def choose(self) -> int:
         plain = self.costs.target(1)
         if plain is None:
             return self.max_k  # nothing measured yet: every pass costs the same
-        alpha = min(self.alpha, 0.999)
         proposal = self.costs.proposer(self.method)
         best_k, best_rate = 0, 1.0 / plain if plain > 0 else 0.0
-        for k in range(1, self.max_k + 1):
-            rate = expected_tokens(alpha, k) / (k * proposal + (self.costs.target(k + 1) or plain))
+        expected = 1.0
+        for k, alive in enumerate(self.survival(), start=1):
+            expected += alive
+            rate = expected / (k * proposal + (self.costs.target(k + 1) or plain))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k

@@ -304,11 +304,23 @@ def costs_of(per_extra_token: float, draft: float) -> PassCosts:
 
 def test_speculation_length_follows_acceptance_and_cost() -> None:
     flat = costs_of(per_extra_token=0.0005, draft=0.002)  # memory-bound verification
-    good = SpeculationLength(max_k=8, prior_alpha=0.9, costs=flat, method="draft")
-    poor = SpeculationLength(max_k=8, prior_alpha=0.2, costs=flat, method="draft")
-    good.record(40, 38)
-    poor.record(40, 6)
+    good = SpeculationLength(max_k=8, prior_alpha=0.5, costs=flat, method="draft")
+    poor = SpeculationLength(max_k=8, prior_alpha=0.5, costs=flat, method="draft")
+    for _ in range(10):
+        good.record(4, 4)
+        poor.record(4, 1)
     assert good.choose() > poor.choose() >= 1
+    # Same acceptance rate (one half), once in bursts and once steadily: bursts pay for longer
+    # proposals, which a single per-token rate cannot see.
+    bursty = SpeculationLength(max_k=8, prior_alpha=0.5, costs=flat, method="draft")
+    steady = SpeculationLength(max_k=8, prior_alpha=0.5, costs=flat, method="draft")
+    for _ in range(10):
+        bursty.record(6, 6)
+        bursty.record(6, 0)
+        steady.record(6, 3)
+        steady.record(6, 3)
+    assert bursty.choose() > steady.choose()
+    assert bursty.survival()[5] > 0.4 > steady.survival()[5]
     # Compute-bound verification and a poor draft: a plain step is cheaper than any proposal.
     steep = costs_of(per_extra_token=0.015, draft=0.008)
     hopeless = SpeculationLength(max_k=8, prior_alpha=0.2, costs=steep, method="draft")
