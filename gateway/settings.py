@@ -186,6 +186,9 @@ def _demo_pair() -> tuple[Path, Path]:
     return target, draft
 
 
+DEMO_MODEL_NAME = "specgate-demo"
+
+
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine configuration the settings describe, checked before anything is loaded."""
     speculative = SpeculativeConfig()
@@ -228,7 +231,8 @@ def engine_config(settings: Settings) -> EngineConfig:
             device=settings.device,
             max_queue=settings.max_queue,
             cpu_threads=settings.cpu_threads,
-            served_model_name=settings.served_model_name,
+            served_model_name=settings.served_model_name
+            or (DEMO_MODEL_NAME if settings.target is None else None),
         )
     except ValidationError as error:
         if method == "draft" and draft is None:

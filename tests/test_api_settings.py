@@ -121,6 +121,7 @@ def test_no_target_serves_the_demo_pair(tmp_path: Path) -> None:
         demo / "draft",
         "draft",
     )
+    assert config.served_model_name == "specgate-demo"
 
 
 def test_engine_configuration_from_flags_and_vllm_json(tmp_path: Path) -> None:
