@@ -95,7 +95,9 @@ class SpeculationLength:
     the steps seen (Kaplan-Meier: a step that accepted all it proposed says nothing about the
     next position). Expected tokens per pass with k proposals is 1 + S(1) + ... + S(k); k
     maximises that over (k * proposer pass + target pass of k + 1 tokens). k = 0, a plain
-    step, wins when no proposal length pays for itself.
+    step, wins when no proposal length pays for itself. After a step that accepted all it
+    proposed, the next one proposes at least one token more: otherwise a long run would be
+    censored at the current k and never be seen.
     """
 
     PRIOR_STEPS = 4.0
@@ -109,12 +111,14 @@ class SpeculationLength:
         # and those among them whose run of accepted tokens stopped exactly at m.
         self.at_risk = [0] * max_k
         self.stopped = [0] * max_k
+        self.explore_from = 0  # after a fully accepted step: its k
 
     def record(self, proposed: int, accepted: int) -> None:
         for m in range(min(accepted + 1, proposed, self.max_k)):
             self.at_risk[m] += 1
         if accepted < proposed and accepted < self.max_k:
             self.stopped[accepted] += 1
+        self.explore_from = proposed if proposed and accepted == proposed else 0
 
     def survival(self) -> list[float]:
         """S(1) .. S(max_k); positions without data carry the previous position's hazard."""
@@ -140,6 +144,8 @@ class SpeculationLength:
             rate = expected / (k * proposal + (self.costs.target(k + 1) or plain))
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        if self.explore_from:
+            return max(best_k, min(self.explore_from + 1, self.max_k))
         return best_k
 
 

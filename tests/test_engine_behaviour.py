@@ -321,6 +321,11 @@ def test_speculation_length_follows_acceptance_and_cost() -> None:
         steady.record(6, 3)
     assert bursty.choose() > steady.choose()
     assert bursty.survival()[5] > 0.4 > steady.survival()[5]
+    # A fully accepted step makes the next one look one token further.
+    hopeful = SpeculationLength(max_k=8, prior_alpha=0.1, costs=flat, method="draft")
+    assert hopeful.choose() <= 2
+    hopeful.record(2, 2)
+    assert hopeful.choose() >= 3
     # Compute-bound verification and a poor draft: a plain step is cheaper than any proposal.
     steep = costs_of(per_extra_token=0.015, draft=0.008)
     hopeless = SpeculationLength(max_k=8, prior_alpha=0.2, costs=steep, method="draft")
