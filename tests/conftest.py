@@ -1,15 +1,18 @@
-"""Shared fixtures. ``pg_url``: a fresh, migrated PostgreSQL database per test."""
+"""Shared fixtures. ``pg_url``: a fresh, migrated PostgreSQL database per test; ``db_url`` and
+``db``: the same store on PostgreSQL and on SQLite, for tests that must pass on both."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
+import sqlalchemy as sa
 from psycopg import sql
 
-from gateway.db import upgrade_database
+from gateway.db import make_db_engine, upgrade_database
 
 PG_SERVER = "postgresql://postgres@127.0.0.1:5432"
 
@@ -30,3 +33,19 @@ def pg_url() -> Iterator[str]:
             admin.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "postgresql":
+        return str(request.getfixturevalue("pg_url"))
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    upgrade_database(url)
+    return url
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[sa.Engine]:
+    engine = make_db_engine(db_url)
+    yield engine
+    engine.dispose()

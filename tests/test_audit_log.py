@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -19,23 +18,7 @@ from gateway.audit.canonical import GENESIS_HASH
 from gateway.audit.log import AuditLog, AuditUnavailableError
 from gateway.audit.signing import CheckpointSigner, checkpoint_signature_valid
 from gateway.audit.verify import verify_export
-from gateway.db import make_db_engine, upgrade_database
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "postgresql":
-        return str(request.getfixturevalue("pg_url"))
-    url = f"sqlite:///{tmp_path / 'audit.db'}"
-    upgrade_database(url)
-    return url
-
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[sa.Engine]:
-    engine = make_db_engine(db_url)
-    yield engine
-    engine.dispose()
+from gateway.db import make_db_engine
 
 
 @pytest.fixture

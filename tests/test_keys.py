@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,25 +14,9 @@ from typer.testing import CliRunner
 from gateway.audit.log import AuditLog
 from gateway.audit.schema import api_keys
 from gateway.audit.signing import CheckpointSigner
-from gateway.db import make_db_engine, upgrade_database
+from gateway.db import make_db_engine
 from gateway.keys import KeyStore, KeyStoreError
 from tests.audit_helpers import admin_cli
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "postgresql":
-        return str(request.getfixturevalue("pg_url"))
-    url = f"sqlite:///{tmp_path / 'keys.db'}"
-    upgrade_database(url)
-    return url
-
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[sa.Engine]:
-    engine = make_db_engine(db_url)
-    yield engine
-    engine.dispose()
 
 
 @pytest.fixture
