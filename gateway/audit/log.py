@@ -95,27 +95,16 @@ def insert_events(
         seq += 1
         event_id = str(uuid.uuid4())
         created_at = datetime.now(UTC)
-        digest = event_hash(
-            seq=seq,
-            event_id=event_id,
-            created_at=format_timestamp(created_at),
-            kind=kind,
-            actor=actor,
-            payload=payload,
-            prev_hash=prev_hash,
-        )
-        rows.append(
-            {
-                "seq": seq,
-                "event_id": event_id,
-                "created_at": created_at,
-                "kind": kind,
-                "actor": actor,
-                "payload": payload,
-                "prev_hash": prev_hash,
-                "event_hash": digest,
-            }
-        )
+        fields: dict[str, Any] = {
+            "seq": seq,
+            "event_id": event_id,
+            "kind": kind,
+            "actor": actor,
+            "payload": payload,
+            "prev_hash": prev_hash,
+        }
+        digest = event_hash(**fields, created_at=format_timestamp(created_at))
+        rows.append({**fields, "created_at": created_at, "event_hash": digest})
         appended.append(AppendedEvent(seq, event_id, digest, created_at))
         prev_hash = digest
     connection.execute(sa.insert(audit_events), rows)
