@@ -86,48 +86,95 @@ class PassCosts:
         return max(0.0, t0 + (t1 - t0) * (tokens - n0) / (n1 - n0))
 
 
+class RunLengths:
+    """How long a proposer stays right, as Kaplan-Meier counts of accepted runs.
+
+    Per position m: the steps that proposed beyond m and accepted at least m ("at risk"), and
+    those among them whose run of accepted tokens stopped exactly at m. A step that accepted
+    all it proposed is censored: it says nothing about later positions. With ``decay`` below 1
+    older steps weigh less, so an engine-wide history follows a changing workload.
+    """
+
+    def __init__(self, max_k: int, decay: float = 1.0) -> None:
+        self.max_k = max_k
+        self.decay = decay
+        self.at_risk = [0.0] * max_k
+        self.stopped = [0.0] * max_k
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if self.decay < 1.0:
+            self.at_risk = [n * self.decay for n in self.at_risk]
+            self.stopped = [n * self.decay for n in self.stopped]
+        for m in range(min(accepted + 1, proposed, self.max_k)):
+            self.at_risk[m] += 1
+        if accepted < proposed and accepted < self.max_k:
+            self.stopped[accepted] += 1
+
+    def hazards(self, prior: float, weight: float) -> list[float]:
+        """P(the run stops at m | it reached m) per position, shrunk toward a prior as if
+        ``weight`` steps had shown it: ``prior`` for the first position, and for each later
+        one the estimate before it (so positions without data carry it)."""
+        estimates: list[float] = []
+        hazard = prior
+        for m in range(self.max_k):
+            hazard = (self.stopped[m] + weight * hazard) / (self.at_risk[m] + weight)
+            estimates.append(hazard)
+        return estimates
+
+    def scaled_to(self, steps: float) -> RunLengths:
+        """A copy whose counts weigh at most ``steps`` steps, with the same shape."""
+        copy = RunLengths(self.max_k)
+        scale = min(1.0, steps / self.at_risk[0]) if self.at_risk[0] else 0.0
+        copy.at_risk = [n * scale for n in self.at_risk]
+        copy.stopped = [n * scale for n in self.stopped]
+        return copy
+
+
 class SpeculationLength:
     """Per-request choice of k from how long the proposer stays right and what passes cost.
 
     Acceptance is bursty (a draft is right for long runs where the text is predictable, an
     n-gram lookup while the output copies the prompt), so instead of one per-token rate this
-    keeps the survival curve S(j) = P(the first j proposals are accepted), estimated from
-    the steps seen (Kaplan-Meier: a step that accepted all it proposed says nothing about the
-    next position). Expected tokens per pass with k proposals is 1 + S(1) + ... + S(k); k
-    maximises that over (k * proposer pass + target pass of k + 1 tokens). k = 0, a plain
-    step, wins when no proposal length pays for itself. After a step that accepted all it
-    proposed, the next one proposes at least one token more: otherwise a long run would be
-    censored at the current k and never be seen.
+    keeps the survival curve S(j) = P(the first j proposals are accepted), from this request's
+    steps shrunk toward the engine-wide curve of the method (``history``, shared by all
+    requests, so a short request does not start from nothing). Expected tokens per pass with k
+    proposals is 1 + S(1) + ... + S(k); k maximises that over (k * proposer pass + target pass
+    of k + 1 tokens). k = 0, a plain step, wins when no proposal length pays for itself. After a
+    step that accepted all it proposed, the next one proposes at least one token more:
+    otherwise a long run would be censored at the current k and never be seen.
     """
 
-    PRIOR_STEPS = 4.0
+    PRIOR_STEPS = 4.0  # weight of the method's rolling acceptance rate
+    HISTORY_STEPS = 8.0  # most weight the engine-wide curve gets in a request's curve
 
-    def __init__(self, max_k: int, prior_alpha: float, costs: PassCosts, method: str) -> None:
+    def __init__(
+        self,
+        max_k: int,
+        prior_alpha: float,
+        costs: PassCosts,
+        method: str,
+        history: RunLengths | None = None,
+    ) -> None:
         self.max_k = max_k
         self.prior_alpha = prior_alpha
         self.costs = costs
         self.method = method
-        # Per position m: steps that proposed beyond m and accepted at least m ("at risk"),
-        # and those among them whose run of accepted tokens stopped exactly at m.
-        self.at_risk = [0] * max_k
-        self.stopped = [0] * max_k
+        self.history = history
+        self.runs = (
+            history.scaled_to(self.HISTORY_STEPS) if history is not None else RunLengths(max_k)
+        )
         self.explore_from = 0  # after a fully accepted step: its k
 
     def record(self, proposed: int, accepted: int) -> None:
-        for m in range(min(accepted + 1, proposed, self.max_k)):
-            self.at_risk[m] += 1
-        if accepted < proposed and accepted < self.max_k:
-            self.stopped[accepted] += 1
+        self.runs.record(proposed, accepted)
+        if self.history is not None:
+            self.history.record(proposed, accepted)
         self.explore_from = proposed if proposed and accepted == proposed else 0
 
     def survival(self) -> list[float]:
-        """S(1) .. S(max_k); positions without data carry the previous position's hazard."""
-        hazard = 1.0 - self.prior_alpha
+        """S(1) .. S(max_k)."""
         alive, curve = 1.0, []
-        for m in range(self.max_k):
-            hazard = (self.stopped[m] + self.PRIOR_STEPS * hazard) / (
-                self.at_risk[m] + self.PRIOR_STEPS
-            )
+        for hazard in self.runs.hazards(1.0 - self.prior_alpha, self.PRIOR_STEPS):
             alive *= 1.0 - hazard
             curve.append(alive)
         return curve

@@ -32,6 +32,13 @@ class SpeculativeConfig(BaseModel):
     max_speculative_tokens: int = Field(default=8, ge=1, le=16)
     prompt_lookup_min: int = Field(default=1, ge=1)
     prompt_lookup_max: int = Field(default=4, ge=1)
+    draft_confidence_threshold: float = Field(
+        default=0.4,
+        ge=0.0,
+        le=1.0,
+        description="With adaptive K, the draft stops proposing after a token it gives a "
+        "probability below this (0 turns it off).",
+    )
     acceptance_threshold: float = Field(
         default=0.6,
         ge=0.0,

@@ -22,11 +22,16 @@ from engine.types import GenerationStats, SamplingParams
 
 @dataclass
 class Speculation:
-    """How one request speculates: a proposer and either a fixed k or an adaptive one."""
+    """How one request speculates: a proposer and either a fixed k or an adaptive one.
+
+    An adaptive k is a bound: the proposer may stop earlier where it is unsure
+    (``min_confidence``). A fixed k is proposed whole, as vLLM does.
+    """
 
     proposer: Proposer
     fixed_k: int | None
     length: SpeculationLength
+    min_confidence: float = 0.0
 
     def next_k(self) -> int:
         return self.fixed_k if self.fixed_k is not None else self.length.choose()
@@ -61,10 +66,12 @@ def decode(
         k = min(speculation.next_k(), remaining - 1) if speculation is not None else 0
         if speculation is not None and k > 0:
             started = time.perf_counter()
-            proposal = speculation.proposer.propose(context, k, params, generator)
+            confidence = speculation.min_confidence if speculation.fixed_k is None else 0.0
+            proposal = speculation.proposer.propose(context, k, params, generator, confidence)
             if costs is not None and proposal.tokens:
                 costs.record_proposer(
-                    speculation.proposer.method, (time.perf_counter() - started) / k
+                    speculation.proposer.method,
+                    (time.perf_counter() - started) / len(proposal.tokens),
                 )
 
         committed = len(context)

@@ -19,7 +19,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.adaptive import FallbackMonitor, PassCosts, SpeculationLength
+from engine.adaptive import FallbackMonitor, PassCosts, RunLengths, SpeculationLength
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill
 from engine.loading import check_draft_compatible, load_model, load_tokenizer, pick_device
@@ -46,6 +46,9 @@ _tracer = trace.get_tracer("specgate.engine")
 # K for seeded sampling requests that leave it open: adaptive K depends on timing and on
 # other requests, so a seeded request pins its method and K to stay reproducible.
 SEEDED_DEFAULT_K = 4
+# Each step shrinks the weight of older steps in the engine-wide run lengths: about the last
+# 200 steps (a handful of requests) count.
+HISTORY_DECAY = 0.995
 
 FallbackListener = Callable[[FallbackEvent], None]
 
@@ -142,6 +145,12 @@ class Engine:
         )
         self._load_shedding = False
         self._costs = PassCosts()
+        # Engine-wide accepted-run lengths per method, the prior of each request's adaptive k;
+        # only the worker thread touches them.
+        self._run_lengths = {
+            method: RunLengths(spec.max_speculative_tokens, decay=HISTORY_DECAY)
+            for method in self._proposers
+        }
         self._calibrate()
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=config.max_queue)
         self._closed = False
@@ -268,8 +277,13 @@ class Engine:
         elif self._shed_load() or not self._monitor.admit(method):
             return _Plan(None, method, True)
         prior, _ = self._monitor.rate(method)
-        length = SpeculationLength(spec.max_speculative_tokens, prior, self._costs, method)
-        return _Plan(Speculation(self._proposers[method], fixed_k, length), method, False)
+        length = SpeculationLength(
+            spec.max_speculative_tokens, prior, self._costs, method, self._run_lengths[method]
+        )
+        speculation = Speculation(
+            self._proposers[method], fixed_k, length, spec.draft_confidence_threshold
+        )
+        return _Plan(speculation, method, False)
 
     def _calibrate(self, repeats: int = 3) -> None:
         """Time target passes of 1 to max_k + 1 tokens, and a draft pass, once at load, so that

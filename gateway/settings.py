@@ -60,6 +60,12 @@ class Settings(BaseSettings):
     )
     prompt_lookup_min: int | None = Field(default=None, ge=1)
     prompt_lookup_max: int | None = Field(default=None, ge=1)
+    draft_confidence_threshold: float = Field(
+        default=0.4,
+        ge=0.0,
+        le=1.0,
+        description="With adaptive k, the draft stops after a token it is less sure of.",
+    )
     acceptance_threshold: float = Field(
         default=0.6, ge=0.0, le=1.0, description="Switch a method off below this acceptance rate."
     )
@@ -209,6 +215,7 @@ def engine_config(settings: Settings) -> EngineConfig:
     updates: dict[str, Any] = {
         "max_speculative_tokens": settings.max_speculative_tokens,
         "acceptance_threshold": settings.acceptance_threshold,
+        "draft_confidence_threshold": settings.draft_confidence_threshold,
         "window_tokens": settings.fallback_window_tokens,
         "probe_interval_requests": settings.fallback_probe_interval,
     }

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from engine.adaptive import (
     FallbackMonitor,
     PassCosts,
+    RunLengths,
     SpeculationLength,
     expected_tokens,
     theoretical_speedup,
@@ -334,6 +335,55 @@ def test_speculation_length_follows_acceptance_and_cost() -> None:
     assert SpeculationLength(8, 0.5, PassCosts(), "draft").choose() == 8
     assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
     assert theoretical_speedup(0.8, 4, 0.1) == pytest.approx(2.4011, abs=1e-4)
+
+
+def test_run_lengths_censor_full_accepts_and_forget_old_steps() -> None:
+    runs = RunLengths(max_k=4)
+    runs.record(4, 1)  # accepted the first, stopped at the second
+    runs.record(2, 2)  # censored after two
+    assert runs.at_risk == [2, 2, 0, 0] and runs.stopped == [0, 1, 0, 0]
+    # Prior hazard 0.5 with the weight of one step; positions without data carry the estimate.
+    assert runs.hazards(0.5, 1.0) == pytest.approx([1 / 6, 7 / 18, 7 / 18, 7 / 18])
+    light = runs.scaled_to(1.0)
+    assert light.at_risk == [1, 1, 0, 0] and light.stopped == [0, 0.5, 0, 0]
+    fading = RunLengths(max_k=2, decay=0.5)
+    fading.record(2, 0)
+    fading.record(2, 2)
+    assert fading.stopped == [0.5, 0] and fading.at_risk == [1.5, 1]
+
+
+def test_a_new_request_starts_from_the_engine_wide_run_lengths() -> None:
+    flat = costs_of(per_extra_token=0.0005, draft=0.002)
+    long_runs, short_runs = RunLengths(8), RunLengths(8)
+    for _ in range(50):
+        long_runs.record(8, 7)
+        short_runs.record(8, 0)
+    fresh = SpeculationLength(8, 0.5, flat, "draft", long_runs)
+    assert fresh.choose() >= 6 and fresh.survival()[0] > 0.8
+    assert SpeculationLength(8, 0.5, flat, "draft", short_runs).choose() <= 1
+    # The request's own steps move it away from the engine-wide curve, and feed it.
+    for _ in range(20):
+        fresh.record(8, 0)
+    assert fresh.survival()[0] < 0.4
+    assert long_runs.stopped[0] == 20
+
+
+def test_an_unsure_draft_stops_early_under_adaptive_k_only(pair: tuple[Path, Path]) -> None:
+    def proposed_per_draft(engine: Engine, k: int | None) -> float:
+        prompt = engine.tokenizer.encode("def add(a, b):\n")
+        stats = engine.generate(request(prompt, engine, GREEDY, "draft", k)).stats
+        return stats.num_draft_tokens / stats.num_drafts
+
+    # Every token is below a confidence of 1: the draft stops after its first one.
+    unsure = SpeculativeConfig(
+        method="draft", acceptance_threshold=0.0, draft_confidence_threshold=1.0
+    )
+    eng = Engine.load(EngineConfig(target=pair[0], draft=pair[1], speculative=unsure))
+    try:
+        assert proposed_per_draft(eng, None) == 1.0
+        assert proposed_per_draft(eng, 4) > 1.0
+    finally:
+        eng.close()
 
 
 def test_pass_costs_interpolate_between_measured_sizes() -> None:

@@ -16,11 +16,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from engine.adaptive import PassCosts, SpeculationLength
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.decoding import Speculation, decode, prefill
 from engine.proposers.ngram import lookup
 from engine.sampling import probabilities
 from engine.service import Engine
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.types import GenerationRequest, GenerationStats, SamplingParams, SpeculativeChoice
 from tests.tiny_models import build_noisy_copy, build_pair
 
 SIGNIFICANCE = 0.001
@@ -165,6 +167,38 @@ def test_ngram_sampling_is_exact(engine: Engine, setting: str) -> None:
     p_value = chi_square_p_value(
         draw(engine, prompt, params, "ngram"), exact_pair_distribution(engine, prompt, params)
     )
+    assert p_value > SIGNIFICANCE
+
+
+@pytest.mark.slow
+def test_draft_sampling_that_stops_where_the_draft_is_unsure_is_exact(engine: Engine) -> None:
+    """Adaptive k lets the draft stop after a token it is unsure of; whether it stops depends
+    on its own random draws, and the first two tokens must still follow the target exactly."""
+    params = SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True)
+    prompt = engine.tokenizer.encode("def add(a, b):\n")
+    draft = engine._proposers["draft"]
+    q = next_token_probs(draft.runner.model, [prompt], params)[0]  # type: ignore[attr-defined]
+    min_confidence = float(q.max()) * 0.9
+    counts: Counter[tuple[int, int]] = Counter()
+    proposed: Counter[int] = Counter()
+    for seed in range(SAMPLES):
+        # Nothing measured: the adaptive bound is max_k; the confidence stop shortens it.
+        length = SpeculationLength(4, 0.5, PassCosts(), "draft")
+        stats = GenerationStats(method="draft")
+        prefill(engine._target, prompt)
+        steps = decode(
+            engine._target,
+            prompt,
+            params,
+            torch.Generator().manual_seed(seed),
+            stats,
+            Speculation(draft, None, length, min_confidence),
+        )
+        tokens = [t for step in steps for t in step]
+        counts[(tokens[0], tokens[1])] += 1
+        proposed[stats.num_draft_tokens // max(stats.num_drafts, 1)] += 1
+    assert len(proposed) > 1, f"the draft never or always stopped early: {proposed}"
+    p_value = chi_square_p_value(counts, exact_pair_distribution(engine, prompt, params))
     assert p_value > SIGNIFICANCE
 
 

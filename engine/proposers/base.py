@@ -31,9 +31,15 @@ class Proposer(Protocol):
         """A new request begins with this prompt."""
 
     def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        min_confidence: float = 0.0,
     ) -> Proposal:
-        """Up to ``k`` tokens that may follow ``context``."""
+        """Up to ``k`` tokens that may follow ``context``. A proposer that knows how sure it
+        is stops after a token it gives a probability below ``min_confidence``."""
 
     def accepted(self, context: list[int]) -> None:
         """Verification committed ``context``; anything proposed beyond it was rejected."""

@@ -1,4 +1,11 @@
-"""A small draft model proposes k tokens autoregressively with its own KV cache."""
+"""A small draft model proposes k tokens autoregressively with its own KV cache.
+
+Given ``min_confidence`` it stops after a token it is unsure of (its probability, or for a
+sampled token the draft's top probability, below the threshold), like Hugging Face's
+``assistant_confidence_threshold``: a distilled draft is unsure exactly where the target
+tends to disagree, so the passes it would spend past that point are mostly wasted. Where the
+proposal stops depends only on the draft's own state, so verification stays exact.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +33,12 @@ class DraftModelProposer:
         self.agreed = 0
 
     def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        min_confidence: float = 0.0,
     ) -> Proposal:
         # Feed whatever of the context the cache lacks (the last token, plus any accepted
         # tokens the draft never saw), then extend one token at a time.
@@ -39,11 +51,17 @@ class DraftModelProposer:
             self.cached.extend(pending)
             if params.greedy:
                 token = int(logits.argmax().item())
+                sure = min_confidence <= 0.0 or bool(
+                    torch.softmax(logits, dim=-1)[token] >= min_confidence
+                )
             else:
                 q = probabilities(logits, params)
                 token = sample(q, generator)
                 rows.append(q)
+                sure = bool(q.max() >= min_confidence)
             tokens.append(token)
+            if not sure:
+                break
             pending = [token]
         return Proposal(tokens, torch.stack(rows) if rows else None)
 

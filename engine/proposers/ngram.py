@@ -36,7 +36,12 @@ class NgramProposer:
         return None
 
     def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        min_confidence: float = 0.0,
     ) -> Proposal:
         return Proposal(lookup(context, k, self.min_n, self.max_n))
 
