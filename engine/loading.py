@@ -30,7 +30,7 @@ SMALL_MODEL_PARAMETERS = 20_000_000
 
 
 @functools.cache
-def _cpu_has_native_bfloat16() -> bool:
+def cpu_has_native_bfloat16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -46,7 +46,7 @@ def pick_dtype(requested: DType, device: torch.device, num_parameters: int) -> t
         return _DTYPES[requested]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if num_parameters >= SMALL_MODEL_PARAMETERS and _cpu_has_native_bfloat16():
+    if num_parameters >= SMALL_MODEL_PARAMETERS and cpu_has_native_bfloat16():
         return torch.bfloat16
     return torch.float32
 

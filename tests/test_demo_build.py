@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,12 +35,21 @@ def test_pair_loads_with_from_pretrained_in_the_saved_dtypes(built: Path) -> Non
     assert target.config.model_type == draft.config.model_type == "llama"
     assert target.config.vocab_size == draft.config.vocab_size
     assert draft.config.num_hidden_layers < target.config.num_hidden_layers
-    assert {t.dtype for t in load_file(built / "target" / "model.safetensors").values()} == {
-        torch.bfloat16
-    }
-    assert {t.dtype for t in load_file(built / "draft" / "model.safetensors").values()} == {
-        torch.float32
-    }
+    # The quick build trains in float32 on every CPU, and saves both models so.
+    manifest = json.loads((built / "manifest.json").read_text())
+    assert manifest["target"]["saved_dtype"] == manifest["draft"]["saved_dtype"] == "float32"
+    for model in ("target", "draft"):
+        tensors = load_file(built / model / "model.safetensors").values()
+        assert {t.dtype for t in tensors} == {torch.float32}
+
+
+def test_a_bfloat16_build_saves_the_target_in_bfloat16(tmp_path: Path) -> None:
+    manifest = build_demo(tmp_path, replace(QUICK, bfloat16=True), show_progress=False)
+    assert manifest["target"]["saved_dtype"] == "bfloat16"  # type: ignore[index]
+    target = load_file(tmp_path / "target" / "model.safetensors").values()
+    assert {t.dtype for t in target} == {torch.bfloat16}
+    draft = load_file(tmp_path / "draft" / "model.safetensors").values()
+    assert {t.dtype for t in draft} == {torch.float32}
 
 
 def test_tokenizer_has_a_chat_template_and_end_of_turn_ends_generation(built: Path) -> None:

@@ -32,14 +32,14 @@ def build_demo_command(
     # Spinning OpenMP threads collapse throughput when the cores are shared with other work
     # (measured: 85 vs 700 tokens/s training on 2 busy cores); must be set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from engine.demo.build import FULL, QUICK, build_demo
+    from engine.demo.build import QUICK, build_demo, full_spec
     from engine.demo.paths import default_demo_dir
 
     target_dir = out or default_demo_dir()
     if if_missing and all((target_dir / m / "config.json").is_file() for m in ("target", "draft")):
         typer.echo(f"demo pair already built in {target_dir}")
         return
-    manifest = build_demo(target_dir, QUICK if quick else FULL)
+    manifest = build_demo(target_dir, QUICK if quick else full_spec())
     seconds = manifest["seconds"]
     evaluation = manifest["evaluation"]
     assert isinstance(seconds, dict) and isinstance(evaluation, dict)
