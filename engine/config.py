@@ -33,7 +33,7 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_min: int = Field(default=1, ge=1)
     prompt_lookup_max: int = Field(default=4, ge=1)
     draft_confidence_threshold: float = Field(
-        default=0.4,
+        default=0.0,
         ge=0.0,
         le=1.0,
         description="With adaptive K, the draft stops proposing after a token it gives a "

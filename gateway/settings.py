@@ -61,7 +61,7 @@ class Settings(BaseSettings):
     prompt_lookup_min: int | None = Field(default=None, ge=1)
     prompt_lookup_max: int | None = Field(default=None, ge=1)
     draft_confidence_threshold: float = Field(
-        default=0.4,
+        default=0.0,
         ge=0.0,
         le=1.0,
         description="With adaptive k, the draft stops after a token it is less sure of.",

@@ -16,8 +16,14 @@ from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from tests.tiny_models import build_noisy_copy, build_pair
 
-# Acceptance threshold 0: these tests check exactness, so fallback must never kick in.
-NO_FALLBACK = SpeculativeConfig(method="draft", acceptance_threshold=0.0, prompt_lookup_max=3)
+# Acceptance threshold 0: these tests check exactness, so fallback must never kick in. With
+# adaptive k the draft also stops where it is unsure, so that path is checked too.
+NO_FALLBACK = SpeculativeConfig(
+    method="draft",
+    acceptance_threshold=0.0,
+    prompt_lookup_max=3,
+    draft_confidence_threshold=0.1,
+)
 
 
 @pytest.fixture(scope="module")
