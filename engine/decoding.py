@@ -24,8 +24,8 @@ from engine.types import GenerationStats, SamplingParams
 class Speculation:
     """How one request speculates: a proposer and either a fixed k or an adaptive one.
 
-    An adaptive k is a bound: the proposer may stop earlier where it is unsure
-    (``min_confidence``). A fixed k is proposed whole, as vLLM does.
+    With ``min_confidence`` above 0 (only ever set with an adaptive k) k is a bound: the
+    proposer may stop earlier where it is unsure. A fixed k is proposed whole, as vLLM does.
     """
 
     proposer: Proposer
@@ -66,8 +66,9 @@ def decode(
         k = min(speculation.next_k(), remaining - 1) if speculation is not None else 0
         if speculation is not None and k > 0:
             started = time.perf_counter()
-            confidence = speculation.min_confidence if speculation.fixed_k is None else 0.0
-            proposal = speculation.proposer.propose(context, k, params, generator, confidence)
+            proposal = speculation.proposer.propose(
+                context, k, params, generator, speculation.min_confidence
+            )
             if costs is not None and proposal.tokens:
                 costs.record_proposer(
                     speculation.proposer.method,

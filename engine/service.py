@@ -280,9 +280,8 @@ class Engine:
         length = SpeculationLength(
             spec.max_speculative_tokens, prior, self._costs, method, self._run_lengths[method]
         )
-        speculation = Speculation(
-            self._proposers[method], fixed_k, length, spec.draft_confidence_threshold
-        )
+        confidence = spec.draft_confidence_threshold if fixed_k is None else 0.0
+        speculation = Speculation(self._proposers[method], fixed_k, length, confidence)
         return _Plan(speculation, method, False)
 
     def _calibrate(self, repeats: int = 3) -> None:

@@ -4,9 +4,9 @@ Weights stay float32. On CPUs that compute bfloat16 natively (AVX512-BF16, AMX) 
 passes run under bfloat16 autocast, which doubles the training throughput; elsewhere bfloat16
 is emulated and over ten times slower than float32 (measured on a 2-core AVX2 EPYC: 35 s
 against 2.9 s for one target step), so training stays float32. The draft is distilled from
-the target in the precision the engine serves it in, with a KL loss on the target's full next-token
-distribution, which raises how often its greedy proposals equal the target's far beyond what
-training on the corpus alone gives.
+the target in the precision the engine serves it in, with a KL loss on the target's full
+next-token distribution, which raises how often its greedy proposals equal the target's far
+beyond what training on the corpus alone gives.
 """
 
 from __future__ import annotations
