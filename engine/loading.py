@@ -13,6 +13,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from engine.attention import use_cpu_gqa_attention
 from engine.config import DType
 from engine.types import IncompatibleDraftError
 
@@ -52,10 +53,12 @@ def pick_dtype(requested: DType, device: torch.device, num_parameters: int) -> t
 
 
 def load_model(model_dir: Path, device: torch.device, dtype: DType) -> PreTrainedModel:
-    """``from_pretrained`` from a local directory, then cast to the chosen dtype on ``device``."""
+    """``from_pretrained`` from a local directory, then cast to the chosen dtype on ``device``
+    (on CPU with the grouped-head attention of ``engine.attention``)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     chosen = pick_dtype(dtype, device, model.num_parameters())
     torch.nn.Module.to(model, device=device, dtype=chosen)
+    use_cpu_gqa_attention(model)
     return model.eval()
 
 

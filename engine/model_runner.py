@@ -7,14 +7,16 @@ exact rollback after a rejected proposal (the rejected positions are simply drop
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
+
+from engine.kv_cache import new_cache
 
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.device = model.device
-        self.cache = DynamicCache(config=model.config)
+        self.cache = new_cache(model.config)
 
     @property
     def length(self) -> int:
@@ -22,7 +24,7 @@ class ModelRunner:
         return self.cache.get_seq_length()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model.config)
 
     def truncate(self, length: int) -> None:
         excess = self.length - length

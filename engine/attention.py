@@ -1,0 +1,56 @@
+"""SDPA attention for CPU passes that attends grouped KV heads in place.
+
+Transformers' ``sdpa`` attention copies every cached key and value once per query-head group
+(``repeat_kv``) whenever a mask is given, which it always is for a pass of several tokens over
+a cache, because CUDA's fused kernels cannot take grouped heads with a mask. PyTorch's CPU
+kernel can (``enable_gqa``), so on CPU verification passes skip that copy of the whole cache
+in every layer. Everything else is left to transformers' own ``sdpa``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+CPU_GQA_SDPA = "specgate_cpu_gqa_sdpa"
+# Keyword arguments that only transformers' own sdpa path handles.
+_SPECIAL = ("position_bias", "softcap", "s_aux", "sinks")
+
+
+def cpu_gqa_sdpa_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    special = any(kwargs.get(name) is not None for name in _SPECIAL)
+    if not grouped or special or query.device.type != "cpu" or module.training:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=causal,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(CPU_GQA_SDPA, cpu_gqa_sdpa_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(CPU_GQA_SDPA, sdpa_mask)
+
+
+def use_cpu_gqa_attention(model: PreTrainedModel) -> None:
+    """Switch a CPU model that uses ``sdpa`` to the in-place grouped variant."""
+    if model.device.type == "cpu" and model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(CPU_GQA_SDPA)

@@ -1,0 +1,91 @@
+"""A KV cache that appends in place and rolls back in O(1).
+
+Transformers' ``DynamicCache`` grows each layer with ``torch.cat``, which copies the whole
+cache at every step, and crops by slicing. Speculative decoding appends k+1 positions and
+drops the rejected ones at every pass, so here each full-attention layer keeps a buffer with
+spare room (doubled when full): an append writes into it, a rollback only lowers the length,
+and attention reads views of the valid prefix. Layers of other kinds (sliding-window ones,
+say) keep transformers' own implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+INITIAL_CAPACITY = 256
+
+
+class GrowableLayer(DynamicLayer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0
+        self._keys = torch.empty(0)
+        self._values = torch.empty(0)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._keys = self._allocate(key_states, INITIAL_CAPACITY)
+        self._values = self._allocate(value_states, INITIAL_CAPACITY)
+        self.is_initialized = True
+
+    @staticmethod
+    def _allocate(like: torch.Tensor, capacity: int) -> torch.Tensor:
+        batch, heads, _, dim = like.shape
+        return like.new_empty((batch, heads, capacity, dim))
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self._keys.shape[2])
+        keys = self._allocate(self._keys, capacity)
+        values = self._allocate(self._values, capacity)
+        keys[:, :, : self.length] = self._keys[:, :, : self.length]
+        values[:, :, : self.length] = self._values[:, :, : self.length]
+        self._keys, self._values = keys, values
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[2]
+        if end > self._keys.shape[2]:
+            self._grow(end)
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        return self._set_length(end)
+
+    def _set_length(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.length = length
+        self.keys = self._keys[:, :, :length]
+        self.values = self._values[:, :, :length]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` positions (transformers' sign convention)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes the negative number of positions to drop")
+        if self.is_initialized:
+            self._set_length(self.length + tokens_to_remove)
+
+    def reset(self) -> None:
+        self.length = 0
+        self.is_initialized = False
+        self.keys = self.values = None
+        self._keys = self._values = torch.empty(0)
+
+
+def new_cache(config: PretrainedConfig) -> DynamicCache:
+    """The model's own cache layout, with every plain full-attention layer made growable."""
+    cache = DynamicCache(config=config)
+    if cache.layer_class_to_replicate is DynamicLayer:
+        cache.layer_class_to_replicate = GrowableLayer
+    cache.layers = [
+        GrowableLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers
+    ]
+    return cache
