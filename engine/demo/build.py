@@ -32,7 +32,8 @@ from rich.progress import (
 )
 from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine.demo.corpus import Corpus, load_corpus
+from engine.demo.corpus import Corpus, SourceFile, load_corpus
+from engine.demo.quoting import QUOTE_HEADER, functions, quoting_documents
 from engine.demo.tokenizer import train_tokenizer
 from engine.demo.training import (
     ModelShape,
@@ -63,6 +64,8 @@ class BuildSpec:
     draft_schedule: Schedule
     eval_windows: int
     max_files: int | None
+    # Share of the target's training characters given to quoting documents (see quoting.py).
+    quoting_share: float
     # Train under bfloat16 autocast and save the target in bfloat16 (CPUs with native bf16).
     bfloat16: bool
     seed: int = 1234
@@ -71,12 +74,13 @@ class BuildSpec:
 FULL_BFLOAT16 = BuildSpec(
     vocab_size=4096,
     max_positions=1024,
-    target=ModelShape(hidden=256, layers=12, intermediate=688, heads=4, kv_heads=2),
+    target=ModelShape(hidden=192, layers=24, intermediate=512, heads=4, kv_heads=2),
     draft_layers=1,
-    target_schedule=Schedule(steps=1400, batch_size=4, seq_len=512, lr=2e-3, warmup_steps=50),
-    draft_schedule=Schedule(steps=250, batch_size=8, seq_len=512, lr=1e-3, warmup_steps=10),
+    target_schedule=Schedule(steps=1150, batch_size=4, seq_len=512, lr=2e-3, warmup_steps=50),
+    draft_schedule=Schedule(steps=200, batch_size=8, seq_len=512, lr=1e-3, warmup_steps=10),
     eval_windows=12,
     max_files=None,
+    quoting_share=0.1,
     bfloat16=True,
 )
 
@@ -85,7 +89,7 @@ FULL_BFLOAT16 = BuildSpec(
 # budget (560 target steps were too few: held-out loss 4.90 and no recognisable Python).
 FULL_FLOAT32 = replace(
     FULL_BFLOAT16,
-    target_schedule=replace(FULL_BFLOAT16.target_schedule, steps=1000),
+    target_schedule=replace(FULL_BFLOAT16.target_schedule, steps=900),
     draft_schedule=replace(FULL_BFLOAT16.draft_schedule, steps=150),
     bfloat16=False,
 )
@@ -99,6 +103,7 @@ QUICK = BuildSpec(
     draft_schedule=Schedule(steps=10, batch_size=2, seq_len=64, lr=3e-3, warmup_steps=2),
     eval_windows=2,
     max_files=40,
+    quoting_share=0.1,
     bfloat16=False,
 )
 
@@ -151,6 +156,26 @@ def _greedy_sample(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, 
     return str(tokenizer.decode(output[0], skip_special_tokens=True))
 
 
+@torch.inference_mode()
+def _quoting_accuracy(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
+    held_out: tuple[SourceFile, ...], count: int,
+) -> float:
+    """Share of the tokens of a verbatim quote that the model predicts greedily, over held-out
+    functions: how much of its output n-gram lookup could propose."""
+    model.eval()
+    correct = total = 0
+    samples = [code for source in held_out for _, code in functions(source)][:count]
+    for code in samples:
+        head = tokenizer.encode(code + QUOTE_HEADER, add_special_tokens=False)
+        quote = tokenizer.encode(code, add_special_tokens=False)
+        ids = torch.tensor([head + quote])
+        predicted = model(input_ids=ids).logits[0, len(head) - 1 : -1].argmax(-1)
+        correct += int((predicted == ids[0, len(head) :]).sum())
+        total += len(quote)
+    return correct / max(1, total)
+
+
 def _loss_logger(
     progress: Progress, task: TaskID, log: list[float]
 ) -> Callable[[int, float], None]:
@@ -178,7 +203,10 @@ def build_demo(out: Path, spec: BuildSpec, *, show_progress: bool = True) -> dic
         corpus: Corpus = load_corpus(max_files=spec.max_files)
     with timer.phase("tokenizer"):
         tokenizer = train_tokenizer((f.text for f in corpus.train), spec.vocab_size)
-        train_stream = _token_stream(tokenizer, [f.text for f in corpus.train])
+        quoting = quoting_documents(
+            corpus.train, int(corpus.train_chars * spec.quoting_share), spec.seed
+        )
+        train_stream = _token_stream(tokenizer, [f.text for f in corpus.train] + quoting)
         eval_stream = _token_stream(tokenizer, [f.text for f in corpus.held_out])
     eval_len = min(spec.target_schedule.seq_len + 1, len(eval_stream.tokens) // 2)
     eval_windows = eval_stream.evenly_spaced_windows(spec.eval_windows, eval_len)
@@ -217,6 +245,9 @@ def build_demo(out: Path, spec: BuildSpec, *, show_progress: bool = True) -> dic
             "target_held_out_loss": round(held_out_loss(teacher, eval_windows), 4),
             "draft_held_out_loss": round(held_out_loss(draft, eval_windows), 4),
             "greedy_agreement": round(greedy_agreement(draft, teacher, eval_windows), 4),
+            "target_quoting_accuracy": round(
+                _quoting_accuracy(teacher, tokenizer, corpus.held_out, spec.eval_windows), 4
+            ),
             "target_sample": _greedy_sample(teacher, tokenizer, 48),
         }
     with timer.phase("save"):
@@ -232,6 +263,7 @@ def build_demo(out: Path, spec: BuildSpec, *, show_progress: bool = True) -> dic
             "train_files": len(corpus.train),
             "held_out_files": [f.relative_path for f in corpus.held_out],
             "train_chars": corpus.train_chars,
+            "quoting_documents": len(quoting),
             "train_tokens": len(train_stream.tokens),
             "held_out_tokens": len(eval_stream.tokens),
         },
