@@ -3,8 +3,9 @@
 A prompt file holds JSON lines, each a completion request ``{"prompt": "..."}`` or a chat
 request ``{"messages": [...]}``, optionally with ``"max_tokens"``. The built-in sets were cut
 from standard-library files that the demo build holds out of training (``source`` names the
-file and line): ``code`` asks for the body of a documented function, ``quoting`` asks to
-repeat or lightly edit code given in the prompt, where n-gram lookup shines.
+file and line): ``code`` completes the body of a documented function, ``quoting`` holds chat
+requests to repeat a function verbatim or renamed (``engine.demo.quoting`` words them), where
+n-gram lookup shines.
 """
 
 from __future__ import annotations

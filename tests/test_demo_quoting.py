@@ -1,13 +1,13 @@
-"""Quoting documents for the demo target's training stream."""
+"""Quoting chats for the demo's training stream."""
 
 from __future__ import annotations
 
 from engine.demo.corpus import SourceFile
 from engine.demo.quoting import (
-    QUOTE_HEADER,
+    QUOTE_INSTRUCTION,
     functions,
-    quoting_document,
-    quoting_documents,
+    quoting_conversations,
+    quoting_request,
 )
 
 SOURCE = SourceFile(
@@ -52,24 +52,29 @@ def test_unparsable_files_give_no_functions() -> None:
     assert list(functions(SourceFile("broken.py", "def f(:\n"))) == []
 
 
-def test_verbatim_quote_repeats_the_function_after_the_header() -> None:
+def test_verbatim_quote_answers_with_the_function_itself() -> None:
     code = dict(functions(SOURCE))["helper"]
-    assert quoting_document("helper", code, rename=False) == code + QUOTE_HEADER + code
+    request, answer = quoting_request("helper", code, rename=False)
+    assert request == QUOTE_INSTRUCTION + code
+    assert answer == code
 
 
 def test_rename_replaces_whole_words_only() -> None:
     code = dict(functions(SOURCE))["helper"]
-    document = quoting_document("helper", code, rename=True)
-    original, renamed = document.split("# The same function, renamed to helper_v2:\n")
-    assert original.rstrip("\n") == code
-    assert renamed.startswith("def helper_v2(path):")
-    assert "return helper_v2(full)" in renamed
-    assert renamed.count("helper_v2") == 2
+    request, answer = quoting_request("helper", code, rename=True)
+    assert request == "Rename this function to helper_v2:\n\n" + code
+    assert answer.startswith("def helper_v2(path):")
+    assert "return helper_v2(full)" in answer
+    assert answer.count("helper_v2") == 2
+    assert answer.replace("helper_v2", "helper") == code
 
 
-def test_documents_alternate_templates_and_stop_near_the_budget() -> None:
+def test_conversations_alternate_instructions_and_stop_near_the_budget() -> None:
     files = [SourceFile(f"m{i}.py", SOURCE.text) for i in range(20)]
-    documents = quoting_documents(files, chars=600, seed=7)
-    assert 600 <= sum(len(d) for d in documents) < 600 + max(len(d) for d in documents)
-    assert QUOTE_HEADER in documents[0] and "renamed to" in documents[1]
-    assert documents == quoting_documents(files, chars=600, seed=7)
+    chats = quoting_conversations(files, chars=1000, seed=7)
+    sizes = [len(user["content"]) + len(assistant["content"]) for user, assistant in chats]
+    assert 1000 <= sum(sizes) < 1000 + max(sizes)
+    assert [m["role"] for m in chats[0]] == ["user", "assistant"]
+    assert chats[0][0]["content"].startswith(QUOTE_INSTRUCTION)
+    assert chats[1][0]["content"].startswith("Rename this function to ")
+    assert chats == quoting_conversations(files, chars=1000, seed=7)

@@ -1,15 +1,21 @@
 """``specgate models build-demo``: tokenizer, target and distilled draft, saved in HF format.
 
-The full build took 33.5 minutes on two shared CPU cores with native bfloat16 (1400 target
-steps under bf16 autocast, held-out loss 4.38), and 32.6 minutes on two AVX2 cores without it
-(1000 float32 steps, loss 4.56). The target is a deep, narrow Llama (11M parameters, 12
-layers of width 256): on CPU its decoding step is dominated by per-layer overhead, so five
-new tokens cost about 1.5 times one (measured: 10.4 vs 15.5 ms in float32 on one AVX2 core),
-which is the regime where verifying several proposed tokens in one pass pays; and at this
-training budget (2-3M tokens) a small model learns more than a large one. The draft is the
-same width with one layer (about 1.5 ms a step), started from the target's first layer,
-embeddings and head, and distilled from the target. The models train on 512-token windows;
-``max_position_embeddings`` is 1024."""
+The target is a deep, narrow Llama (11.3M parameters, 24 layers of width 192) and the draft
+one layer of the same width (2.0M parameters, most of them embeddings and head), started
+from the target's first layer, embeddings and head and distilled from the target. Deep and
+narrow because on CPU a decoding step of a model this size costs per layer, not per
+parameter: the target pass then stands to its draft as a production target's memory-bound
+pass does, which is the regime speculative decoding exists for (measured in float32 on one
+core of a 2-core Xeon: target 15.0 ms for one token and 19.2 ms for five, draft 1.2 ms, 8% of
+a target pass; the earlier 12-layer target of width 256, measured on an AVX2 core, cost
+1.5 times as much for five tokens and its draft 17%). Its held-out loss is that of the 12-layer float32 build (4.53 against 4.56).
+Quoting chats (``engine/demo/quoting.py``) amounting to 15% of the source text are mixed in.
+
+The full build took 35.3 minutes on two cores with native bfloat16 (AMX; 1150 target steps
+under bf16 autocast at 1.7 s each, faster than float32's 2.05 s there, and 200 distillation
+steps). Where bfloat16 is emulated training runs in float32 with fewer steps (900 and 150),
+sized from the 12-layer target's 1.9 s per step on 2 AVX2 cores; that path has not been timed
+with this shape. The models train on 512-token windows; ``max_position_embeddings`` is 1024."""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 from rich.progress import (
@@ -33,7 +40,7 @@ from rich.progress import (
 from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from engine.demo.corpus import Corpus, SourceFile, load_corpus
-from engine.demo.quoting import QUOTE_HEADER, functions, quoting_documents
+from engine.demo.quoting import functions, quoting_conversations, quoting_request
 from engine.demo.tokenizer import train_tokenizer
 from engine.demo.training import (
     ModelShape,
@@ -64,7 +71,7 @@ class BuildSpec:
     draft_schedule: Schedule
     eval_windows: int
     max_files: int | None
-    # Share of the target's training characters given to quoting documents (see quoting.py).
+    # Share of the training characters given to quoting chats (see quoting.py).
     quoting_share: float
     # Train under bfloat16 autocast and save the target in bfloat16 (CPUs with native bf16).
     bfloat16: bool
@@ -80,13 +87,13 @@ FULL_BFLOAT16 = BuildSpec(
     draft_schedule=Schedule(steps=200, batch_size=8, seq_len=512, lr=1e-3, warmup_steps=10),
     eval_windows=12,
     max_files=None,
-    quoting_share=0.1,
+    quoting_share=0.15,
     bfloat16=True,
 )
 
-# The same pair where bfloat16 is emulated and training runs in float32: a target step takes
-# 1.9 s and a distillation step 1.8 s on 2 AVX2 cores, so fewer steps fit in the 45-minute
-# budget (560 target steps were too few: held-out loss 4.90 and no recognisable Python).
+# The same pair where bfloat16 is emulated and training runs in float32, which is slower, so
+# fewer steps fit in the 45-minute budget (a 12-layer target took 1.9 s a step on 2 AVX2
+# cores; 560 steps were too few for it to write recognisable Python).
 FULL_FLOAT32 = replace(
     FULL_BFLOAT16,
     target_schedule=replace(FULL_BFLOAT16.target_schedule, steps=900),
@@ -103,7 +110,7 @@ QUICK = BuildSpec(
     draft_schedule=Schedule(steps=10, batch_size=2, seq_len=64, lr=3e-3, warmup_steps=2),
     eval_windows=2,
     max_files=40,
-    quoting_share=0.1,
+    quoting_share=0.15,
     bfloat16=False,
 )
 
@@ -156,19 +163,28 @@ def _greedy_sample(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, 
     return str(tokenizer.decode(output[0], skip_special_tokens=True))
 
 
+def _chat_prompt_ids(tokenizer: PreTrainedTokenizerFast, request: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": request}], add_generation_prompt=True, tokenize=True,
+        return_dict=False,
+    )
+    return [int(i) for i in cast(list[int], ids)]
+
+
 @torch.inference_mode()
 def _quoting_accuracy(
     model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
     held_out: tuple[SourceFile, ...], count: int,
 ) -> float:
-    """Share of the tokens of a verbatim quote that the model predicts greedily, over held-out
-    functions: how much of its output n-gram lookup could propose."""
+    """Share of the tokens of a verbatim quote that the model predicts greedily when asked for
+    one in a chat, over held-out functions: how much of its answer n-gram lookup could propose."""
     model.eval()
     correct = total = 0
     samples = [code for source in held_out for _, code in functions(source)][:count]
     for code in samples:
-        head = tokenizer.encode(code + QUOTE_HEADER, add_special_tokens=False)
-        quote = tokenizer.encode(code, add_special_tokens=False)
+        request, answer = quoting_request("", code, rename=False)
+        head = _chat_prompt_ids(tokenizer, request)
+        quote = tokenizer.encode(answer, add_special_tokens=False)
         ids = torch.tensor([head + quote])
         predicted = model(input_ids=ids).logits[0, len(head) - 1 : -1].argmax(-1)
         correct += int((predicted == ids[0, len(head) :]).sum())
@@ -203,9 +219,12 @@ def build_demo(out: Path, spec: BuildSpec, *, show_progress: bool = True) -> dic
         corpus: Corpus = load_corpus(max_files=spec.max_files)
     with timer.phase("tokenizer"):
         tokenizer = train_tokenizer((f.text for f in corpus.train), spec.vocab_size)
-        quoting = quoting_documents(
-            corpus.train, int(corpus.train_chars * spec.quoting_share), spec.seed
-        )
+        quoting = [
+            str(tokenizer.apply_chat_template(chat, tokenize=False))
+            for chat in quoting_conversations(
+                corpus.train, int(corpus.train_chars * spec.quoting_share), spec.seed
+            )
+        ]
         train_stream = _token_stream(tokenizer, [f.text for f in corpus.train] + quoting)
         eval_stream = _token_stream(tokenizer, [f.text for f in corpus.held_out])
     eval_len = min(spec.target_schedule.seq_len + 1, len(eval_stream.tokens) // 2)
@@ -263,7 +282,7 @@ def build_demo(out: Path, spec: BuildSpec, *, show_progress: bool = True) -> dic
             "train_files": len(corpus.train),
             "held_out_files": [f.relative_path for f in corpus.held_out],
             "train_chars": corpus.train_chars,
-            "quoting_documents": len(quoting),
+            "quoting_chats": len(quoting),
             "train_tokens": len(train_stream.tokens),
             "held_out_tokens": len(eval_stream.tokens),
         },

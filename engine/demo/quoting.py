@@ -1,11 +1,13 @@
-"""Quoting documents: functions from the training files, followed by a verbatim or renamed copy.
+"""Quoting chats: a user gives a function from the training files and asks for it verbatim or
+renamed; the assistant answers with the copy.
 
-Instruction-tuned models repeat and lightly edit code they were given (quote this function,
-rename that one), and that is the workload where n-gram prompt lookup pays. A model trained
-only on raw source files barely copies at this size (the first float32 demo target repeated
-its prompt 42% of the time), so the demo build mixes such documents into the target's
-training stream, in the two templates the benchmark's ``quoting`` set uses. They are cut
-from training files only; the benchmark's prompts come from held-out files.
+Instruction-tuned models repeat and lightly edit code they were given, and that is the
+workload where n-gram prompt lookup pays. A model trained only on raw source files barely
+copies at this size, so the demo build mixes such chats into the training stream, in the
+chat template and with the two instructions of the benchmark's ``quoting`` set. Being chats,
+they leave plain code completion alone (the same copies written as raw code comments taught
+the target to follow every function with a copy). They are cut from training files only; the
+benchmark's prompts come from held-out files.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from collections.abc import Iterable, Iterator
 from engine.demo.corpus import SourceFile
 
 MIN_LINES, MAX_LINES = 4, 40
-QUOTE_HEADER = "\n\n\n# The function above, quoted verbatim:\n"
-RENAME_HEADER = "\n\n\n# The same function, renamed to {name}:\n"
+QUOTE_INSTRUCTION = "Repeat this function verbatim:\n\n"
+RENAME_INSTRUCTION = "Rename this function to {name}:\n\n"
 
 
 def functions(source: SourceFile) -> Iterator[tuple[str, str]]:
@@ -39,25 +41,31 @@ def functions(source: SourceFile) -> Iterator[tuple[str, str]]:
             yield node.name, code.rstrip("\n")
 
 
-def quoting_document(name: str, code: str, rename: bool) -> str:
+def quoting_request(name: str, code: str, rename: bool) -> tuple[str, str]:
+    """The user's instruction and the answer: the function verbatim, or renamed throughout."""
     if not rename:
-        return code + QUOTE_HEADER + code
+        return QUOTE_INSTRUCTION + code, code
     new_name = f"{name}_v2"
     renamed = re.sub(rf"\b{re.escape(name)}\b", new_name, code)
-    return code + RENAME_HEADER.format(name=new_name) + renamed
+    return RENAME_INSTRUCTION.format(name=new_name) + code, renamed
 
 
-def quoting_documents(files: Iterable[SourceFile], chars: int, seed: int) -> list[str]:
-    """About ``chars`` characters of quoting documents, from functions chosen with ``seed``."""
+def quoting_conversations(
+    files: Iterable[SourceFile], chars: int, seed: int
+) -> list[list[dict[str, str]]]:
+    """About ``chars`` characters of quoting chats, from functions chosen with ``seed``,
+    alternating verbatim quotes and renames."""
     candidates = [fn for source in files for fn in functions(source)]
     rng = random.Random(seed)
     rng.shuffle(candidates)
-    documents: list[str] = []
+    conversations: list[list[dict[str, str]]] = []
     total = 0
     for index, (name, code) in enumerate(candidates):
         if total >= chars:
             break
-        document = quoting_document(name, code, rename=index % 2 == 1)
-        documents.append(document)
-        total += len(document)
-    return documents
+        request, answer = quoting_request(name, code, rename=index % 2 == 1)
+        conversations.append(
+            [{"role": "user", "content": request}, {"role": "assistant", "content": answer}]
+        )
+        total += len(request) + len(answer)
+    return conversations
