@@ -8,8 +8,9 @@ parameter: the target pass then stands to its draft as a production target's mem
 pass does, which is the regime speculative decoding exists for (measured in float32 on one
 core of a 2-core Xeon: target 15.0 ms for one token and 19.2 ms for five, draft 1.2 ms, 8% of
 a target pass; the earlier 12-layer target of width 256, measured on an AVX2 core, cost
-1.5 times as much for five tokens and its draft 17%). Its held-out loss is that of the 12-layer float32 build (4.53 against 4.56).
-Quoting chats (``engine/demo/quoting.py``) amounting to 15% of the source text are mixed in.
+1.5 times as much for five tokens and its draft 17%). Its held-out loss is that of the
+12-layer float32 build (4.53 against 4.56). Quoting chats (``engine/demo/quoting.py``)
+amounting to 15% of the source text are mixed in.
 
 The full build took 35.3 minutes on two cores with native bfloat16 (AMX; 1150 target steps
 under bf16 autocast at 1.7 s each, faster than float32's 2.05 s there, and 200 distillation
