@@ -29,7 +29,7 @@ class SpeculativeConfig(BaseModel):
     num_speculative_tokens: int | None = Field(
         default=None, ge=1, le=16, description="Fixed K; None lets the engine adapt K per request."
     )
-    max_speculative_tokens: int = Field(default=8, ge=1, le=16)
+    max_speculative_tokens: int = Field(default=16, ge=1, le=16)
     prompt_lookup_min: int = Field(default=1, ge=1)
     prompt_lookup_max: int = Field(default=4, ge=1)
     draft_confidence_threshold: float = Field(

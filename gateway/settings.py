@@ -56,7 +56,7 @@ class Settings(BaseSettings):
         default=None, description="vLLM --speculative-config JSON."
     )
     max_speculative_tokens: int = Field(
-        default=8, ge=1, le=16, description="Upper bound of adaptive k."
+        default=16, ge=1, le=16, description="Upper bound of adaptive k."
     )
     prompt_lookup_min: int | None = Field(default=None, ge=1)
     prompt_lookup_max: int | None = Field(default=None, ge=1)

@@ -1,5 +1,11 @@
 """Prompt lookup decoding: find the latest earlier occurrence of the sequence's last n tokens
-(n from ``max_n`` down to ``min_n``) and propose the tokens that followed it."""
+(n from ``max_n`` down to ``min_n``) and propose the tokens that followed it.
+
+The continuation is copied as LZ77 copies, overlapping itself: where it reaches the end of the
+sequence it goes on with the tokens it has just proposed. Without that, a proposal taken from
+the latest match in text that repeats with period p could never be longer than p tokens.
+Hugging Face's prompt lookup takes the earliest match instead, which avoids that limit but
+proposes from the staler part of the sequence."""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from engine.types import Method, SamplingParams
 
 
 def lookup(context: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Continuation of the most recent earlier match of the longest suffix n-gram."""
+    """``k`` tokens continuing the most recent earlier match of the longest suffix n-gram."""
     size = len(context)
     if size < 2 or k < 1:
         return []
@@ -21,7 +27,10 @@ def lookup(context: list[int], k: int, min_n: int, max_n: int) -> list[int]:
         hits = (windows == ids[size - n :]).all(dim=1).nonzero()
         if len(hits):
             start = int(hits[-1].item()) + n
-            return context[start : start + k]
+            proposal = context[start : start + k]
+            while len(proposal) < k:
+                proposal.append(proposal[len(proposal) - (size - start)])
+            return proposal
     return []
 
 
