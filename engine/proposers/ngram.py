@@ -27,10 +27,8 @@ def lookup(context: list[int], k: int, min_n: int, max_n: int) -> list[int]:
         hits = (windows == ids[size - n :]).all(dim=1).nonzero()
         if len(hits):
             start = int(hits[-1].item()) + n
-            proposal = context[start : start + k]
-            while len(proposal) < k:
-                proposal.append(proposal[len(proposal) - (size - start)])
-            return proposal
+            period = size - start
+            return [context[start + i % period] for i in range(k)]
     return []
 
 
