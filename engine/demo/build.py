@@ -45,6 +45,7 @@ from rich.progress import (
 from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from engine.demo.corpus import Corpus, SourceFile, load_corpus
+from engine.demo.induction import wire_induction_circuit
 from engine.demo.quoting import functions, quoting_conversations, quoting_request
 from engine.demo.tokenizer import train_tokenizer
 from engine.demo.training import (
@@ -87,7 +88,7 @@ FULL_BFLOAT16 = BuildSpec(
     vocab_size=4096,
     max_positions=1024,
     target=ModelShape(hidden=192, layers=24, intermediate=512, heads=4, kv_heads=2),
-    draft_layers=1,
+    draft_layers=2,
     target_schedule=Schedule(steps=1150, batch_size=4, seq_len=512, lr=2e-3, warmup_steps=50),
     draft_schedule=Schedule(steps=600, batch_size=8, seq_len=512, lr=1e-3, warmup_steps=10),
     eval_windows=12,
@@ -236,6 +237,7 @@ def build_demo(out: Path, spec: BuildSpec, *, show_progress: bool = True) -> dic
     eval_windows = eval_stream.evenly_spaced_windows(spec.eval_windows, eval_len)
 
     target = LlamaForCausalLM(llama_config(spec.target, tokenizer, spec.max_positions))
+    wire_induction_circuit(target, torch.Generator().manual_seed(spec.seed))
     draft_shape = ModelShape(**{**asdict(spec.target), "layers": spec.draft_layers})
     draft = LlamaForCausalLM(llama_config(draft_shape, tokenizer, spec.max_positions))
     target_losses: list[float] = []
@@ -304,7 +306,9 @@ def build_demo(out: Path, spec: BuildSpec, *, show_progress: bool = True) -> dic
             "shape": draft_shape.__dict__,
             "parameters": count_parameters(draft),
             "saved_dtype": "float32",
-            "initialised_from": "target layers[:1], embeddings, final norm, lm_head",
+            "initialised_from": (
+                f"target layers[:{spec.draft_layers}], embeddings, final norm, lm_head"
+            ),
             "schedule": asdict(spec.draft_schedule),
             "tokens_seen": spec.draft_schedule.tokens,
             "distillation_kl_every_10_steps": draft_losses,

@@ -20,6 +20,10 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 StepCallback = Callable[[int, float], None]
+# Code Llama's RoPE base. The induction head (``induction.py``) matches tokens on RoPE's
+# slowest frequency pairs, which at this base turn by about a radian or less over the
+# 1024 positions; at Llama's 10000 too few pairs are that slow.
+ROPE_THETA = 1e6
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ def llama_config(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
     )
 
 
