@@ -28,8 +28,10 @@ reproducible per CPU type, not across types. The models train on 512-token windo
 
 from __future__ import annotations
 
+import difflib
 import json
 import platform
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -202,6 +204,36 @@ def _quoting_accuracy(
     return correct / max(1, total)
 
 
+@torch.inference_mode()
+def _quote_fidelity(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
+    held_out: tuple[SourceFile, ...], count: int,
+) -> tuple[float, float]:
+    """What the model writes, decoding greedily, when asked for a verbatim quote of held-out
+    functions: the mean share of the quote it reproduces exactly before its first mistake,
+    and the mean token-level similarity of its whole answer to the quote (difflib's ratio)."""
+    model.eval()
+    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    prefixes: list[float] = []
+    similarities: list[float] = []
+    for code in [code for source in held_out for _, code in functions(source)][:count]:
+        request, answer = quoting_request("", code, rename=False)
+        head = _chat_prompt_ids(tokenizer, request)
+        quote = tokenizer.encode(answer, add_special_tokens=False)
+        output = model.generate(
+            input_ids=torch.tensor([head]), max_new_tokens=len(quote) + 1, do_sample=False,
+            eos_token_id=[tokenizer.eos_token_id, end_of_turn],
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, len(head) :].tolist()
+        same = next(
+            (i for i, (a, b) in enumerate(zip(quote, output, strict=False)) if a != b),
+            min(len(quote), len(output)),
+        )
+        prefixes.append(same / len(quote))
+        similarities.append(difflib.SequenceMatcher(None, quote, output).ratio())
+    return statistics.fmean(prefixes), statistics.fmean(similarities)
+
+
 def _loss_logger(
     progress: Progress, task: TaskID, log: list[float]
 ) -> Callable[[int, float], None]:
@@ -271,6 +303,9 @@ def build_demo(out: Path, spec: BuildSpec, *, show_progress: bool = True) -> dic
             )
 
     with timer.phase("evaluation"):
+        exact_prefix, similarity = _quote_fidelity(
+            teacher, tokenizer, corpus.held_out, spec.eval_windows
+        )
         evaluation = {
             "target_held_out_loss": round(held_out_loss(teacher, eval_windows), 4),
             "draft_held_out_loss": round(held_out_loss(draft, eval_windows), 4),
@@ -278,6 +313,8 @@ def build_demo(out: Path, spec: BuildSpec, *, show_progress: bool = True) -> dic
             "target_quoting_accuracy": round(
                 _quoting_accuracy(teacher, tokenizer, corpus.held_out, spec.eval_windows), 4
             ),
+            "target_quote_exact_prefix": round(exact_prefix, 4),
+            "target_quote_similarity": round(similarity, 4),
             "target_sample": _greedy_sample(teacher, tokenizer, 48),
         }
     with timer.phase("save"):
