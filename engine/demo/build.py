@@ -12,12 +12,12 @@ first two layers (``engine/demo/induction.py``), without which it does not learn
 this budget; the draft's two layers start as that circuit, trained, so it can copy too.
 Quoting chats (``engine/demo/quoting.py``) amounting to 15% of the source text are mixed in.
 
-On two cores of an AMD EPYC with AVX512-BF16 a full build took 40.8 minutes: the target's
-1150 steps under bf16 autocast 28.2 minutes (1.47 s each), the draft's 600 distillation
-steps 12.4 minutes. Target held-out loss 3.33, draft 3.45, greedy agreement 0.76, target
-quoting accuracy 0.83; the previous build on the same CPU (no circuit, one-layer draft) gave
-4.63, 4.90, 0.57 and 0.26. Distilling longer is what made the draft worth
-running: 200 steps gave a greedy agreement of 0.43 and 1.33x on the benchmark's code
+On two cores of an AMD EPYC with AVX512-BF16 a full build took 42.7 minutes: the target's
+1150 steps under bf16 autocast 28.9 minutes (1.51 s each), the draft's 600 distillation
+steps 12.3 minutes, the evaluation 1.3 minutes. Target held-out loss 3.33, draft 3.45,
+greedy agreement 0.76, target quoting accuracy 0.83; the previous build on the same CPU (no
+circuit, one-layer draft) gave 4.63, 4.90, 0.57 and 0.26. Distilling longer is what made the
+draft worth running: 200 steps gave a greedy agreement of 0.43 and 1.33x on the benchmark's code
 prompts, 600 gave 0.54 and 1.77x (one-layer draft). Where bfloat16 is emulated training runs
 in float32 with fewer steps (900 and 300), sized from an earlier 12-layer target's 1.9 s per
 step on 2 AVX2 cores. On the EPYC above float32 steps took 1.71 s (target) and 1.44 s
