@@ -183,6 +183,18 @@ def _chat_prompt_ids(tokenizer: PreTrainedTokenizerFast, request: str) -> list[i
     return [int(i) for i in cast(list[int], ids)]
 
 
+def _held_out_quotes(
+    tokenizer: PreTrainedTokenizerFast, held_out: tuple[SourceFile, ...], count: int
+) -> list[tuple[list[int], list[int]]]:
+    """``(chat prompt, verbatim quote)`` token ids for the first ``count`` held-out functions."""
+    quotes = []
+    for code in [code for source in held_out for _, code in functions(source)][:count]:
+        request, answer = quoting_request("", code, rename=False)
+        quote = tokenizer.encode(answer, add_special_tokens=False)
+        quotes.append((_chat_prompt_ids(tokenizer, request), quote))
+    return quotes
+
+
 @torch.inference_mode()
 def _quoting_accuracy(
     model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
@@ -192,16 +204,17 @@ def _quoting_accuracy(
     one in a chat, over held-out functions: how much of its answer n-gram lookup could propose."""
     model.eval()
     correct = total = 0
-    samples = [code for source in held_out for _, code in functions(source)][:count]
-    for code in samples:
-        request, answer = quoting_request("", code, rename=False)
-        head = _chat_prompt_ids(tokenizer, request)
-        quote = tokenizer.encode(answer, add_special_tokens=False)
+    for head, quote in _held_out_quotes(tokenizer, held_out, count):
         ids = torch.tensor([head + quote])
         predicted = model(input_ids=ids).logits[0, len(head) - 1 : -1].argmax(-1)
         correct += int((predicted == ids[0, len(head) :]).sum())
         total += len(quote)
     return correct / max(1, total)
+
+
+def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    shorter = min(len(a), len(b))
+    return next((i for i in range(shorter) if a[i] != b[i]), shorter)
 
 
 @torch.inference_mode()
@@ -213,23 +226,15 @@ def _quote_fidelity(
     functions: the mean share of the quote it reproduces exactly before its first mistake,
     and the mean token-level similarity of its whole answer to the quote (difflib's ratio)."""
     model.eval()
-    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    generation_config = _generation_config(tokenizer)
     prefixes: list[float] = []
     similarities: list[float] = []
-    for code in [code for source in held_out for _, code in functions(source)][:count]:
-        request, answer = quoting_request("", code, rename=False)
-        head = _chat_prompt_ids(tokenizer, request)
-        quote = tokenizer.encode(answer, add_special_tokens=False)
+    for head, quote in _held_out_quotes(tokenizer, held_out, count):
         output = model.generate(
-            input_ids=torch.tensor([head]), max_new_tokens=len(quote) + 1, do_sample=False,
-            eos_token_id=[tokenizer.eos_token_id, end_of_turn],
-            pad_token_id=tokenizer.pad_token_id,
+            input_ids=torch.tensor([head]), generation_config=generation_config,
+            max_new_tokens=len(quote) + 1, do_sample=False,
         )[0, len(head) :].tolist()
-        same = next(
-            (i for i, (a, b) in enumerate(zip(quote, output, strict=False)) if a != b),
-            min(len(quote), len(output)),
-        )
-        prefixes.append(same / len(quote))
+        prefixes.append(_common_prefix_length(quote, output) / len(quote))
         similarities.append(difflib.SequenceMatcher(None, quote, output).ratio())
     return statistics.fmean(prefixes), statistics.fmean(similarities)
 

@@ -32,6 +32,7 @@ import math
 
 import torch
 from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaAttention
 
 MAX_CODE_DIMS = 32
 # Logit margin the previous-token heads give an offset of one (two) tokens over any other.
@@ -76,6 +77,14 @@ def _rms_scale(model: LlamaForCausalLM, module: torch.nn.Module, ids: torch.Tens
     finally:
         handle.remove()
     return float(seen[0].pow(2).mean(-1).rsqrt().mean())
+
+
+def _clear_first_heads(attention: LlamaAttention, head_dim: int) -> None:
+    """Zero query heads 0 and 1, the key-value head they share, and their output columns."""
+    attention.q_proj.weight[: 2 * head_dim] = 0
+    attention.k_proj.weight[:head_dim] = 0
+    attention.v_proj.weight[:head_dim] = 0
+    attention.o_proj.weight[:, : 2 * head_dim] = 0
 
 
 @torch.no_grad()
@@ -126,10 +135,7 @@ def wire_induction_circuit(model: LlamaForCausalLM, generator: torch.Generator) 
         frequencies[:pairs], config.max_position_embeddings
     )
     amplitude = (weights * PREVIOUS_TOKEN_MARGIN * math.sqrt(head_dim) / margin).sqrt()
-    first.q_proj.weight[: 2 * head_dim] = 0
-    first.k_proj.weight[:head_dim] = 0
-    first.v_proj.weight[:head_dim] = 0
-    first.o_proj.weight[:, : 2 * head_dim] = 0
+    _clear_first_heads(first, head_dim)
     for i in range(pairs):
         cos, sin = math.cos(frequencies[i]), math.sin(frequencies[i])
         a = float(amplitude[i]) / scale
@@ -150,10 +156,7 @@ def wire_induction_circuit(model: LlamaForCausalLM, generator: torch.Generator) 
     slow = list(range(half - match_dims, half))
     slots = slow + [half + i for i in slow]
     gain = math.sqrt(INDUCTION_MATCH_SCORE) / scale
-    second.q_proj.weight[: 2 * head_dim] = 0
-    second.k_proj.weight[:head_dim] = 0
-    second.v_proj.weight[:head_dim] = 0
-    second.o_proj.weight[:, : 2 * head_dim] = 0
+    _clear_first_heads(second, head_dim)
     for j in range(match_dims):
         second.q_proj.weight[slots[j], token.start + j] = gain
         second.k_proj.weight[slots[j], previous.start + j] = gain
