@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -52,14 +55,52 @@ def pick_dtype(requested: DType, device: torch.device, num_parameters: int) -> t
     return torch.float32
 
 
+def checkpoint_parameters(model_dir: Path) -> int:
+    """Number of parameters stored in the directory's safetensors files, read from their
+    headers (0 when there are none), so the dtype can be chosen before loading."""
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
 def load_model(model_dir: Path, device: torch.device, dtype: DType) -> PreTrainedModel:
-    """``from_pretrained`` from a local directory, then cast to the chosen dtype on ``device``
-    (on CPU with the grouped-head attention of ``engine.attention``)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-    chosen = pick_dtype(dtype, device, model.num_parameters())
-    torch.nn.Module.to(model, device=device, dtype=chosen)
+    """``from_pretrained`` from a local directory in the chosen dtype, then moved to ``device``
+    (on CPU with the grouped-head attention of ``engine.attention``).
+
+    The dtype goes to ``from_pretrained`` rather than a cast afterwards, so transformers'
+    own rules hold: buffers it keeps in float32 (the rotary ``inv_freq``: in bfloat16 its
+    cos is off by up to 1.5 at position 1000) and the class's ``_keep_in_fp32_modules``.
+    """
+    chosen = pick_dtype(dtype, device, checkpoint_parameters(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=chosen)
+    torch.nn.Module.to(model, device=device)  # moves only; dtypes stay as loaded
     use_cpu_gqa_attention(model)
     return model.eval()
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config of the text decoder: ``text_config`` of a multimodal model (Gemma 3 4B and
+    up), the config itself otherwise."""
+    return config.get_text_config(decoder=True)
+
+
+def context_window(config: PretrainedConfig, default: int = 2048) -> int:
+    """Positions the model was built for, from its text config (GPT-2 calls it n_positions)."""
+    text = text_config(config)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return default
+
+
+def embedding_rows(model: PreTrainedModel) -> int:
+    """Rows of the output layer: the ids the model can score (padded beyond the tokenizer's
+    tokens in many checkpoints)."""
+    return int(model.get_output_embeddings().weight.shape[0])
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
@@ -69,26 +110,28 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 def check_draft_compatible(
     target: PreTrainedTokenizerBase,
     draft: PreTrainedTokenizerBase,
-    draft_vocab_size: int,
-    target_vocab_size: int,
+    draft_rows: int,
+    target_rows: int,
 ) -> None:
-    """The draft must map every token id to the same token as the target does."""
+    """Judge a draft on its tokenizer: over the ids both tokenizers define, the same token at
+    the same id, and the same special tokens. Embedding rows beyond the tokenizer (padding,
+    as in the Qwen2.5 family) are ignored. The draft must embed every id the target's
+    tokenizer defines, since it reads the target's output."""
     problems: list[str] = []
-    if draft_vocab_size != target_vocab_size:
+    target_tokens = _tokens_by_id(target)
+    draft_tokens = _tokens_by_id(draft)
+    shared = min(len(target_tokens), len(draft_tokens), draft_rows, target_rows)
+    differing = [i for i in range(shared) if target_tokens[i] != draft_tokens[i]]
+    if differing:
+        examples = [(i, target_tokens[i], draft_tokens[i]) for i in differing[:3]]
         problems.append(
-            f"output vocabulary size {draft_vocab_size} (draft) != {target_vocab_size} (target)"
+            f"the tokenizers have different tokens at the same ids: {len(differing)} of the "
+            f"{shared} shared ids differ (id, target, draft: {examples})"
         )
-    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
-    if target_vocab != draft_vocab:
-        only_target = sorted(set(target_vocab) - set(draft_vocab))
-        only_draft = sorted(set(draft_vocab) - set(target_vocab))
-        remapped = sorted(
-            t for t in set(target_vocab) & set(draft_vocab) if target_vocab[t] != draft_vocab[t]
-        )
+    if draft_rows < len(target_tokens):
         problems.append(
-            f"tokenizer vocabularies differ: {len(only_target)} tokens only in the target "
-            f"(e.g. {only_target[:3]}), {len(only_draft)} only in the draft "
-            f"(e.g. {only_draft[:3]}), {len(remapped)} with different ids (e.g. {remapped[:3]})"
+            f"the draft embeds only {draft_rows} ids but the target's tokenizer defines "
+            f"{len(target_tokens)}"
         )
     for name in ("bos_token_id", "eos_token_id"):
         t, d = getattr(target, name), getattr(draft, name)
@@ -98,3 +141,12 @@ def check_draft_compatible(
         raise IncompatibleDraftError(
             "draft model is incompatible with the target: " + "; ".join(problems)
         )
+
+
+def _tokens_by_id(tokenizer: PreTrainedTokenizerBase) -> list[str | None]:
+    """Token string per id, ``None`` for holes in the id range."""
+    vocab = tokenizer.get_vocab()
+    tokens: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
+    for token, index in vocab.items():
+        tokens[index] = token
+    return tokens

@@ -22,7 +22,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from engine.adaptive import FallbackMonitor, PassCosts, RunLengths, SpeculationLength
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill
-from engine.loading import check_draft_compatible, load_model, load_tokenizer, pick_device
+from engine.loading import (
+    check_draft_compatible,
+    context_window,
+    embedding_rows,
+    load_model,
+    load_tokenizer,
+    pick_device,
+)
 from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
 from engine.proposers import DraftModelProposer, NgramProposer, Proposer
@@ -122,8 +129,8 @@ class Engine:
         self.target_version = target_version
         self.draft_name = config.draft.name if draft is not None and config.draft else None
         self.draft_version = draft_version
-        self.max_context = int(getattr(target.config, "max_position_embeddings", 2048))
-        self.vocab_size = int(target.config.vocab_size)
+        self.max_context = context_window(target.config)
+        self.vocab_size = embedding_rows(target)
         self.device = target.device
         self.target_dtype = target.dtype
         self._target = ModelRunner(target)
@@ -132,7 +139,12 @@ class Engine:
             "ngram": NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         }
         if draft is not None:
-            self._proposers["draft"] = DraftModelProposer(ModelRunner(draft))
+            self._proposers["draft"] = DraftModelProposer(
+                ModelRunner(draft),
+                target_ids=self.vocab_size,
+                proposable_ids=min(len(tokenizer), embedding_rows(draft), self.vocab_size),
+                window=context_window(draft.config),
+            )
         self.available_methods: tuple[Method, ...] = ("none", *self._proposers)
         self._eos = _eos_ids(target, tokenizer)
         self._listener = on_fallback
@@ -170,7 +182,7 @@ class Engine:
             draft_tokenizer = load_tokenizer(config.draft)
             draft = load_model(config.draft, device, config.dtype)
             check_draft_compatible(
-                tokenizer, draft_tokenizer, draft.config.vocab_size, target.config.vocab_size
+                tokenizer, draft_tokenizer, embedding_rows(draft), embedding_rows(target)
             )
             draft_version = model_version(config.draft)
         return cls(

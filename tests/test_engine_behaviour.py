@@ -462,7 +462,7 @@ def test_incompatible_draft_is_refused_naming_the_difference(
     pair: tuple[Path, Path], tmp_path: Path
 ) -> None:
     other = build_model(tmp_path / "other", build_tokenizer(vocab_size=300), seed=3)
-    with pytest.raises(IncompatibleDraftError, match="vocabulary size 300"):
+    with pytest.raises(IncompatibleDraftError, match="draft embeds only 300 ids"):
         Engine.load(EngineConfig(target=pair[0], draft=other, dtype="float32"))
 
 

@@ -5,6 +5,12 @@ sampled token the draft's top probability, below the threshold), like Hugging Fa
 ``assistant_confidence_threshold``: a distilled draft is unsure exactly where the target
 tends to disagree, so the passes it would spend past that point are mostly wasted. Where the
 proposal stops depends only on the draft's own state, so verification stays exact.
+
+The draft proposes only ids below ``proposable_ids`` (the ids its tokenizer shares with the
+target's, padded embedding rows excluded) and hands its probabilities over the target's
+``target_ids`` (zero beyond), so a draft padded to another size verifies like any other.
+Past its own ``window`` of positions (a draft built for a shorter context than the target's)
+it steps aside: it proposes nothing and the target decodes plainly.
 """
 
 from __future__ import annotations
@@ -20,8 +26,14 @@ from engine.types import Method, SamplingParams
 class DraftModelProposer:
     method: Method = "draft"
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(
+        self, runner: ModelRunner, target_ids: int, proposable_ids: int, window: int
+    ) -> None:
         self.runner = runner
+        self.target_ids = target_ids
+        self.proposable_ids = proposable_ids
+        self.window = window
+        self.draft_ids = int(runner.model.get_output_embeddings().weight.shape[0])
         # Token ids whose keys and values the draft cache holds, position for position.
         self.cached: list[int] = []
         # Length of the committed context at the last proposal: the cache agrees up to here.
@@ -44,10 +56,13 @@ class DraftModelProposer:
         # tokens the draft never saw), then extend one token at a time.
         pending = context[len(self.cached) :]
         self.agreed = len(context)
+        k = min(k, self.window - len(context))
+        if k <= 0 or any(t >= self.draft_ids for t in pending):
+            return Proposal([])
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(k):
-            logits = self.runner.forward(pending, last_only=True)[-1]
+            logits = self.runner.forward(pending, last_only=True)[-1, : self.proposable_ids]
             self.cached.extend(pending)
             if params.greedy:
                 token = int(logits.argmax().item())
@@ -57,7 +72,7 @@ class DraftModelProposer:
             else:
                 q = probabilities(logits, params)
                 token = sample(q, generator)
-                rows.append(q)
+                rows.append(torch.nn.functional.pad(q, (0, self.target_ids - len(q))))
                 sure = bool(q.max() >= min_confidence)
             tokens.append(token)
             if not sure:
