@@ -1,11 +1,19 @@
-"""A KV cache that appends in place and rolls back in O(1).
+"""A KV cache that appends in place and rolls back, for every kind of layer.
 
 Transformers' ``DynamicCache`` grows each layer with ``torch.cat``, which copies the whole
 cache at every step, and crops by slicing. Speculative decoding appends k+1 positions and
 drops the rejected ones at every pass, so here each full-attention layer keeps a buffer with
 spare room (doubled when full): an append writes into it, a rollback only lowers the length,
-and attention reads views of the valid prefix. Layers of other kinds (sliding-window ones,
-say) keep transformers' own implementation.
+and attention reads views of the valid prefix.
+
+Layers of other kinds keep transformers' own implementation, with its past recording
+switched on: a sliding-window or chunked layer (Mistral, Gemma 2/3, Phi-3, gpt-oss, Llama 4)
+and the convolution state of a linear-attention layer (Qwen3-Next) then keep every position
+appended since the last crop, so a crop can drop rejected positions even past the window;
+each crop shrinks them back to what the next pass needs. A linear-attention layer's
+recurrent state is one matrix that every token updates and nothing can crop; for those the
+runner snapshots it before each pass (``save_recurrent_states``) and, on rollback, restores
+the snapshot and feeds the accepted tokens again (``engine.model_runner``).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 INITIAL_CAPACITY = 256
 
@@ -81,11 +89,47 @@ class GrowableLayer(DynamicLayer):
 
 
 def new_cache(config: PretrainedConfig) -> DynamicCache:
-    """The model's own cache layout, with every plain full-attention layer made growable."""
+    """The model's own cache layout, with every plain full-attention layer made growable and
+    every other layer recording its past, so that all of them can roll back."""
     cache = DynamicCache(config=config)
     if cache.layer_class_to_replicate is DynamicLayer:
         cache.layer_class_to_replicate = GrowableLayer
     cache.layers = [
         GrowableLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers
     ]
+    cache.activate_past_recording()
     return cache
+
+
+RecurrentStates = list[dict[int, torch.Tensor]]
+
+
+def _recurrent_layers(cache: DynamicCache) -> list[LinearAttentionCacheLayerMixin]:
+    return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def has_recurrent_state(cache: DynamicCache) -> bool:
+    """Whether some layer keeps a state that a crop cannot roll back (linear attention)."""
+    return bool(_recurrent_layers(cache))
+
+
+def save_recurrent_states(cache: DynamicCache) -> RecurrentStates:
+    """Copies of the recurrent states of the cache's linear-attention layers."""
+    return [
+        {
+            index: state.clone()
+            for index, state in layer.recurrent_states.items()
+            if state is not None and layer.is_recurrent_states_initialized[index]
+        }
+        for layer in _recurrent_layers(cache)
+    ]
+
+
+def restore_recurrent_states(cache: DynamicCache, saved: RecurrentStates) -> None:
+    """Put back states from ``save_recurrent_states`` (in place: transformers keeps their
+    addresses static)."""
+    for layer, states in zip(_recurrent_layers(cache), saved, strict=True):
+        for index, state in states.items():
+            current = layer.recurrent_states[index]
+            assert current is not None
+            current.copy_(state)
