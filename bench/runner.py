@@ -39,7 +39,7 @@ class BenchRun:
 
 def _engine_config(setup: BenchSetup) -> EngineConfig:
     # Fallback off: the benchmark measures each method itself, not the fallback policy.
-    speculative = SpeculativeConfig(acceptance_threshold=0.0)
+    speculative = SpeculativeConfig(acceptance_threshold=0.0, min_speedup=0.0)
     return EngineConfig(target=setup.target, draft=setup.draft, speculative=speculative)
 
 

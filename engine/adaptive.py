@@ -2,16 +2,17 @@
 
 ``SpeculationLength`` picks k per step to maximise expected tokens per second, from the
 acceptance rate seen so far and the measured cost of draft and target passes.
-``FallbackMonitor`` tracks acceptance per method over a rolling window of draft tokens and
-switches a method off when it stays below the threshold, probing now and then to switch it
-back on. Every switch is reported as a ``FallbackEvent``.
+``FallbackMonitor`` tracks acceptance and the estimated speedup per method over a rolling
+window of draft tokens and switches a method off when speculating stops paying, probing now
+and then to switch it back on. Every switch is reported as a ``FallbackEvent``.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from engine.types import FallbackEvent, Method
 
@@ -29,14 +30,22 @@ def theoretical_speedup(alpha: float, k: int, cost_ratio: float) -> float:
 
 
 class _Ewma:
-    def __init__(self, weight: float) -> None:
+    """Exponentially weighted mean whose samples are clipped to ``clip`` times the current
+    mean: on shared cores one pass descheduled for a second would otherwise make that pass
+    size look hundreds of times dearer for many steps (a real slowdown still moves the mean,
+    by up to a factor 1 + weight * (clip - 1) per sample)."""
+
+    def __init__(self, weight: float, clip: float = 4.0) -> None:
         self.weight = weight
+        self.clip = clip
         self.value: float | None = None
 
     def update(self, sample: float) -> None:
-        self.value = (
-            sample if self.value is None else self.value + self.weight * (sample - self.value)
-        )
+        if self.value is None:
+            self.value = sample
+        else:
+            sample = min(sample, self.clip * self.value)
+            self.value += self.weight * (sample - self.value)
 
 
 class PassCosts:
@@ -68,11 +77,20 @@ class PassCosts:
             return ewma.value if ewma is not None and ewma.value is not None else 0.0
 
     def target(self, tokens: int) -> float | None:
-        """Seconds for a pass of ``tokens``, interpolated between measured sizes."""
+        """Seconds for a pass of ``tokens``, interpolated between measured sizes, and never
+        more than ``tokens`` one-token passes (one pass over n tokens does at most their
+        work: a larger figure is a stall on a shared machine, not the pass's cost)."""
         with self._lock:
             known = sorted((n, e.value) for n, e in self._target.items() if e.value is not None)
         if not known:
             return None
+        estimate = self._interpolate(known, tokens)
+        if known[0][0] == 1:
+            estimate = min(estimate, tokens * known[0][1])
+        return estimate
+
+    @staticmethod
+    def _interpolate(known: list[tuple[int, float]], tokens: int) -> float:
         below = [(n, t) for n, t in known if n <= tokens]
         above = [(n, t) for n, t in known if n >= tokens]
         if below and above:
@@ -141,11 +159,16 @@ class SpeculationLength:
     proposals is 1 + S(1) + ... + S(k); k maximises that over (k * proposer pass + target pass
     of k + 1 tokens). k = 0, a plain step, wins when no proposal length pays for itself. After a
     step that accepted all it proposed, the next one proposes at least one token more:
-    otherwise a long run would be censored at the current k and never be seen.
+    otherwise a long run would be censored at the current k and never be seen. After
+    ``PROBE_AFTER_PLAIN_STEPS`` plain steps in a row one step proposes a token anyway, so a
+    pessimistic start (one early rejection) cannot keep k at 0 for good.
     """
 
     PRIOR_STEPS = 4.0  # weight of the method's rolling acceptance rate
     HISTORY_STEPS = 8.0  # most weight the engine-wide curve gets in a request's curve
+    # After this many plain steps in a row, one step proposes a token anyway: without new
+    # evidence a pessimistic curve would choose k = 0 for ever.
+    PROBE_AFTER_PLAIN_STEPS = 8
 
     def __init__(
         self,
@@ -164,6 +187,8 @@ class SpeculationLength:
             history.scaled_to(self.HISTORY_STEPS) if history is not None else RunLengths(max_k)
         )
         self.explore_from = 0  # after a fully accepted step: its k
+        self.plain_run = 0  # plain steps chosen in a row
+        self.plain_steps = 0  # plain steps chosen in all (probes not counted)
 
     def record(self, proposed: int, accepted: int) -> None:
         self.runs.record(proposed, accepted)
@@ -193,45 +218,141 @@ class SpeculationLength:
                 best_k, best_rate = k, rate
         if self.explore_from:
             return max(best_k, min(self.explore_from + 1, self.max_k))
+        if best_k == 0:
+            self.plain_run += 1
+            if self.plain_run > self.PROBE_AFTER_PLAIN_STEPS:
+                self.plain_run = 0
+                return 1
+            self.plain_steps += 1
+        else:
+            self.plain_run = 0
         return best_k
 
 
+@dataclass(frozen=True)
+class WindowFigures:
+    """What a method's rolling window shows: acceptance, and whether speculating paid."""
+
+    acceptance_rate: float
+    draft_tokens: int
+    cost_ratio: float | None  # one proposed token's cost in plain target passes
+    speedup: float | None  # estimated speedup over plain decoding; None before costs exist
+
+
 class FallbackMonitor:
-    """Rolling acceptance per method; switches a method off below ``threshold`` and back on.
+    """Rolling figures per method; switches a method off when speculating does not pay, and
+    back on when probes show it pays again.
+
+    A method is switched off once its window of ``window_tokens`` draft tokens shows an
+    estimated speedup below ``min_speedup``, or an acceptance rate below the method's own
+    threshold where it has one (``thresholds``: by default only model-based proposers, whose
+    proposals cost time, keep the seed's 60 % rule; n-gram lookup costs next to nothing, so a
+    low acceptance of long proposals can still pay). The speedup comes from the measured
+    acceptance, the mean k and the pass costs::
+
+        speedup = tokens per pass * t(1) / (t(k + 1) + k * proposer cost per token)
+
+    which with t(k + 1) = t(1) is the textbook (1 - a^(k+1)) / ((1 - a)(k c + 1)).
+
+    Adaptive k can also stop proposing by itself (k = 0 pays best); a method whose requests
+    mostly ran plain is reported too (``idle``), so that it is visible beside the switched
+    off ones, and k = 0 steps still probe (``SpeculationLength``).
 
     Thread-safe: requests record from the engine's worker, the gateway reads the state.
     """
 
+    # The rolling acceptance handed to adaptive k as its prior is shrunk toward this
+    # neutral rate with the weight of this many draft tokens, so one rejected token does
+    # not make the prior 0.
+    NEUTRAL_ALPHA = 0.5
+    PRIOR_TOKENS = 16.0
+    # A request of at least IDLE_MIN_STEPS passes whose adaptive k chose plain steps for at
+    # least IDLE_SHARE of them marks the method idle; one below half of that clears it.
+    IDLE_MIN_STEPS = 16
+    IDLE_SHARE = 0.75
+    # The speedup estimate rests on timings, which a busy machine disturbs now and then: it
+    # must stay below the margin for this many window evaluations in a row (acceptance,
+    # a count, decides at once).
+    SPEEDUP_EVALUATIONS = 2
+
     def __init__(
         self,
         model: str,
-        threshold: float,
+        thresholds: Mapping[Method, float | None],
+        min_speedup: float,
         window_tokens: int,
         probe_interval: int,
+        costs: PassCosts,
         listener: Callable[[FallbackEvent], None] | None,
     ) -> None:
         self.model = model
-        self.threshold = threshold
+        self.thresholds = dict(thresholds)
+        self.min_speedup = min_speedup
         self.window_tokens = window_tokens
         self.probe_interval = probe_interval
+        self.costs = costs
         self.listener = listener
         self._lock = threading.Lock()
-        self._windows: dict[Method, deque[tuple[int, int]]] = {}
+        # Per method: (draft tokens, accepted, passes with a proposal) per request.
+        self._windows: dict[Method, deque[tuple[int, int, int]]] = {}
         self._disabled: dict[Method, int] = {}  # method -> requests seen while switched off
+        self._idle: set[Method] = set()
+        self._slow: dict[Method, int] = {}  # evaluations in a row with the speedup too low
 
-    def _window(self, method: Method) -> deque[tuple[int, int]]:
+    def _window(self, method: Method) -> deque[tuple[int, int, int]]:
         return self._windows.setdefault(method, deque())
+
+    def threshold(self, method: Method) -> float | None:
+        return self.thresholds.get(method)
 
     def rate(self, method: Method) -> tuple[float, int]:
         """Acceptance rate and number of draft tokens in the method's window."""
         with self._lock:
-            return self._rate(method)
+            figures = self._figures(method)
+        return figures.acceptance_rate, figures.draft_tokens
 
-    def _rate(self, method: Method) -> tuple[float, int]:
+    def prior(self, method: Method) -> float:
+        """The window's acceptance shrunk toward ``NEUTRAL_ALPHA``: adaptive k's prior."""
+        with self._lock:
+            window = self._window(method)
+            proposed = sum(p for p, _, _ in window)
+            accepted = sum(a for _, a, _ in window)
+        return (accepted + self.PRIOR_TOKENS * self.NEUTRAL_ALPHA) / (
+            proposed + self.PRIOR_TOKENS
+        )
+
+    def figures(self, method: Method) -> WindowFigures:
+        with self._lock:
+            return self._figures(method)
+
+    def _figures(self, method: Method) -> WindowFigures:
         window = self._window(method)
-        proposed = sum(p for p, _ in window)
-        accepted = sum(a for _, a in window)
-        return (accepted / proposed if proposed else 1.0), proposed
+        proposed = sum(p for p, _, _ in window)
+        accepted = sum(a for _, a, _ in window)
+        passes = sum(n for _, _, n in window)
+        rate = accepted / proposed if proposed else 1.0
+        plain = self.costs.target(1)
+        if not passes or not plain:
+            return WindowFigures(rate, proposed, None, None)
+        per_token = self.costs.proposer(method)
+        mean_k = proposed / passes
+        verify = self.costs.target(max(2, round(mean_k) + 1)) or plain
+        speedup = (accepted + passes) / passes * plain / (verify + mean_k * per_token)
+        return WindowFigures(rate, proposed, per_token / plain, speedup)
+
+    def _pays(self, method: Method, figures: WindowFigures) -> tuple[bool, str]:
+        """Whether the window says speculating pays, and the rule that decided."""
+        threshold = self.threshold(method)
+        if threshold is not None and figures.acceptance_rate < threshold:
+            return False, f"acceptance rate {figures.acceptance_rate:.3f} below {threshold:.3f}"
+        speedup = figures.speedup
+        if self.min_speedup > 0 and speedup is not None and speedup < self.min_speedup:
+            self._slow[method] = self._slow.get(method, 0) + 1
+            if self._slow[method] >= self.SPEEDUP_EVALUATIONS or method in self._disabled:
+                return False, f"estimated speedup {speedup:.2f}x below {self.min_speedup:.2f}x"
+            return True, "estimated speedup below the margin once (not yet long enough)"
+        self._slow.pop(method, None)
+        return True, "acceptance and estimated speedup meet their thresholds"
 
     def is_disabled(self, method: Method) -> bool:
         with self._lock:
@@ -241,6 +362,11 @@ class FallbackMonitor:
         with self._lock:
             return set(self._disabled)
 
+    def idle_methods(self) -> set[Method]:
+        """Methods whose adaptive k has lately chosen plain steps nearly always."""
+        with self._lock:
+            return set(self._idle)
+
     def admit(self, method: Method) -> bool:
         """Whether a new request may speculate with ``method``; every Nth one probes."""
         with self._lock:
@@ -249,42 +375,83 @@ class FallbackMonitor:
             self._disabled[method] += 1
             return self._disabled[method] % self.probe_interval == 0
 
-    def record(self, method: Method, proposed: int, accepted: int) -> None:
-        if proposed == 0:
-            return
-        event = None
+    def record(
+        self,
+        method: Method,
+        proposed: int,
+        accepted: int,
+        passes: int = 0,
+        steps: int = 0,
+        plain_steps: int = 0,
+    ) -> None:
+        """One request's figures: draft tokens, accepted ones, target passes that verified a
+        proposal (``passes``), all target passes (``steps``) and those adaptive k chose to
+        run plain (``plain_steps``)."""
+        events = []
         with self._lock:
-            window = self._window(method)
-            window.append((proposed, accepted))
-            total = sum(p for p, _ in window)
-            while window and total - window[0][0] >= self.window_tokens:
-                total -= window.popleft()[0]
-            rate, tokens = self._rate(method)
-            if tokens < self.window_tokens:
-                return
-            if method not in self._disabled and rate < self.threshold:
-                self._disabled[method] = 0
-                window.clear()
-                event = self._event(method, "disabled", rate, tokens, "below")
-            elif method in self._disabled and rate >= self.threshold:
-                del self._disabled[method]
-                event = self._event(method, "enabled", rate, tokens, "recovered to")
-        if event is not None and self.listener is not None:
-            self.listener(event)
+            idle_event = self._record_idle(method, steps, plain_steps)
+            if idle_event is not None:
+                events.append(idle_event)
+            if proposed:
+                switch = self._record_window(method, proposed, accepted, max(passes, 1))
+                if switch is not None:
+                    events.append(switch)
+        if self.listener is not None:
+            for event in events:
+                self.listener(event)
+
+    def _record_window(
+        self, method: Method, proposed: int, accepted: int, passes: int
+    ) -> FallbackEvent | None:
+        window = self._window(method)
+        window.append((proposed, accepted, passes))
+        total = sum(p for p, _, _ in window)
+        while window and total - window[0][0] >= self.window_tokens:
+            total -= window.popleft()[0]
+        figures = self._figures(method)
+        if figures.draft_tokens < self.window_tokens:
+            return None
+        pays, why = self._pays(method, figures)
+        if method not in self._disabled and not pays:
+            self._disabled[method] = 0
+            self._slow.pop(method, None)
+            window.clear()
+            return self._event(method, "disabled", figures, why)
+        if method in self._disabled and pays:
+            del self._disabled[method]
+            return self._event(method, "enabled", figures, why)
+        return None
+
+    def _record_idle(self, method: Method, steps: int, plain_steps: int) -> FallbackEvent | None:
+        if steps < self.IDLE_MIN_STEPS:
+            return None
+        share = plain_steps / steps
+        figures = self._figures(method)
+        why = (
+            f"adaptive k chose plain steps for {plain_steps} of {steps} passes; "
+            f"k = 0 still probes"
+        )
+        if method not in self._idle and share >= self.IDLE_SHARE:
+            self._idle.add(method)
+            return self._event(method, "disabled", figures, why)
+        if method in self._idle and share < self.IDLE_SHARE / 2:
+            self._idle.discard(method)
+            return self._event(method, "enabled", figures, why)
+        return None
 
     def _event(
-        self, method: Method, action: str, rate: float, tokens: int, verb: str
+        self, method: Method, action: str, figures: WindowFigures, why: str
     ) -> FallbackEvent:
-        reason = (
-            f"acceptance rate {rate:.3f} over the last {tokens} draft tokens {verb} "
-            f"threshold {self.threshold:.3f}"
-        )
+        reason = f"{why} (over the last {figures.draft_tokens} draft tokens)"
         return FallbackEvent(
             method=method,
             model=self.model,
             action="disabled" if action == "disabled" else "enabled",
             reason=reason,
-            acceptance_rate=rate,
-            window_tokens=tokens,
-            threshold=self.threshold,
+            acceptance_rate=figures.acceptance_rate,
+            window_tokens=figures.draft_tokens,
+            threshold=self.threshold(method),
+            cost_ratio=figures.cost_ratio,
+            speedup_estimate=figures.speedup,
+            min_speedup=self.min_speedup,
         )

@@ -59,6 +59,7 @@ def generate(
                 num_speculative_tokens=num_speculative_tokens,
                 # One request: a fallback switch could only slow it down, never help.
                 acceptance_threshold=0.0,
+                min_speedup=0.0,
             ),
         )
     except ValueError as exc:

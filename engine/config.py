@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.types import Method
+from engine.types import MODEL_BASED_METHODS, Method
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 
@@ -43,7 +43,8 @@ class SpeculativeConfig(BaseModel):
         default=0.6,
         ge=0.0,
         le=1.0,
-        description="Below this rolling acceptance rate a method is switched off.",
+        description="Below this rolling acceptance rate a model-based proposer (a draft "
+        "model) is switched off; other methods only by acceptance_thresholds.",
     )
     window_tokens: int = Field(default=256, ge=8, description="Draft tokens in the rolling window.")
     probe_interval_requests: int = Field(
@@ -52,6 +53,33 @@ class SpeculativeConfig(BaseModel):
     disable_by_queue_depth: int | None = Field(
         default=None, ge=1, description="Decode plainly while at least this many requests wait."
     )
+
+    acceptance_thresholds: dict[Method, float] = Field(
+        default_factory=dict,
+        description="Acceptance threshold per method, overriding acceptance_threshold (e.g. "
+        '{"ngram": 0.3}).',
+    )
+    min_speedup: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="A method whose estimated speedup over plain decoding (from acceptance, "
+        "k and measured pass costs) stays below this over the window is switched off; 0 "
+        "turns the rule off.",
+    )
+
+    def acceptance_threshold_for(self, method: Method) -> float | None:
+        """The method's acceptance threshold: its own, else the default for model-based
+        proposers, else none (n-gram lookup is judged on its estimated speedup alone)."""
+        if method in self.acceptance_thresholds:
+            return self.acceptance_thresholds[method]
+        return self.acceptance_threshold if method in MODEL_BASED_METHODS else None
+
+    @model_validator(mode="after")
+    def _thresholds_in_range(self) -> SpeculativeConfig:
+        bad = {m: t for m, t in self.acceptance_thresholds.items() if not 0.0 <= t <= 1.0}
+        if bad:
+            raise ValueError(f"acceptance_thresholds must lie in [0, 1]: {bad}")
+        return self
 
     @model_validator(mode="after")
     def _lookup_bounds(self) -> SpeculativeConfig:

@@ -148,15 +148,17 @@ class Engine:
         self.available_methods: tuple[Method, ...] = ("none", *self._proposers)
         self._eos = _eos_ids(target, tokenizer)
         self._listener = on_fallback
-        self._monitor = FallbackMonitor(
-            self.model_name,
-            spec.acceptance_threshold,
-            spec.window_tokens,
-            spec.probe_interval_requests,
-            on_fallback,
-        )
         self._load_shedding = False
         self._costs = PassCosts()
+        self._monitor = FallbackMonitor(
+            self.model_name,
+            {method: spec.acceptance_threshold_for(method) for method in self._proposers},
+            spec.min_speedup,
+            spec.window_tokens,
+            spec.probe_interval_requests,
+            self._costs,
+            on_fallback,
+        )
         # Engine-wide accepted-run lengths per method, the prior of each request's adaptive k;
         # only the worker thread touches them.
         self._run_lengths = {
@@ -200,7 +202,9 @@ class Engine:
         return self._queue.qsize()
 
     def fallback_state(self) -> dict[Method, bool]:
-        disabled = self._monitor.disabled_methods()
+        """Per method: whether the engine has stopped proposing with it, switched off by
+        fallback or left idle by adaptive k."""
+        disabled = self._monitor.disabled_methods() | self._monitor.idle_methods()
         return {method: method in disabled for method in self._proposers}
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
@@ -288,7 +292,7 @@ class Engine:
             fixed_k = fixed_k or SEEDED_DEFAULT_K
         elif self._shed_load() or not self._monitor.admit(method):
             return _Plan(None, method, True)
-        prior, _ = self._monitor.rate(method)
+        prior = self._monitor.prior(method)
         length = SpeculationLength(
             spec.max_speculative_tokens, prior, self._costs, method, self._run_lengths[method]
         )
@@ -309,7 +313,7 @@ class Engine:
                 runner.forward(tokens).sum().item()
                 times.append(time.perf_counter() - started)
                 runner.truncate(length)
-            return sorted(times[1:])[len(times[1:]) // 2]
+            return min(times[1:])  # noise on shared cores only ever adds time
 
         prefill(self._target, prompt)
         for tokens in range(1, self.speculative_config.max_speculative_tokens + 2):
@@ -340,7 +344,7 @@ class Engine:
                         reason=f"queue depth {depth} {'>=' if shedding else '<'} limit {limit}",
                         acceptance_rate=rate,
                         window_tokens=tokens,
-                        threshold=self.speculative_config.acceptance_threshold,
+                        threshold=self._monitor.threshold(method),
                     )
                 )
         return shedding
@@ -384,7 +388,15 @@ class Engine:
             steps.close()
             _annotate(span, stats)
         if plan.speculation is not None:
-            self._monitor.record(plan.method, stats.num_draft_tokens, stats.num_accepted_tokens)
+            adaptive = plan.speculation.fixed_k is None
+            self._monitor.record(
+                plan.method,
+                stats.num_draft_tokens,
+                stats.num_accepted_tokens,
+                passes=stats.num_drafts,
+                steps=stats.num_target_passes if adaptive else 0,
+                plain_steps=plan.speculation.length.plain_steps if adaptive else 0,
+            )
 
 
 def _annotate(span: trace.Span, stats: GenerationStats) -> None:

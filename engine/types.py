@@ -11,6 +11,9 @@ from typing import Literal
 
 Method = Literal["none", "ngram", "draft"]
 METHODS: tuple[Method, ...] = ("none", "ngram", "draft")
+# Proposers that run a model: their proposals cost time, so a low acceptance rate alone
+# says they do not pay (the default acceptance threshold applies to them only).
+MODEL_BASED_METHODS: frozenset[Method] = frozenset({"draft"})
 FinishReason = Literal["stop", "length"]
 
 
@@ -123,7 +126,13 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class FallbackEvent:
-    """A speculation method was switched off (``disabled``) or back on (``enabled``)."""
+    """A speculation method was switched off (``disabled``) or back on (``enabled``).
+
+    ``threshold`` is the method's acceptance threshold (None: it has none), ``cost_ratio``
+    one proposed token's cost in plain target passes, ``speedup_estimate`` the speedup over
+    plain decoding the window shows and ``min_speedup`` the margin it is held to (None where
+    costs were not measured yet).
+    """
 
     method: Method
     model: str
@@ -131,8 +140,11 @@ class FallbackEvent:
     reason: str
     acceptance_rate: float
     window_tokens: int
-    threshold: float
+    threshold: float | None
     timestamp: float = field(default_factory=time.time)
+    cost_ratio: float | None = None
+    speedup_estimate: float | None = None
+    min_speedup: float | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -144,6 +156,9 @@ class FallbackEvent:
             "window_tokens": self.window_tokens,
             "threshold": self.threshold,
             "timestamp": self.timestamp,
+            "cost_ratio": self.cost_ratio,
+            "speedup_estimate": self.speedup_estimate,
+            "min_speedup": self.min_speedup,
         }
 
 

@@ -113,6 +113,16 @@ class Settings(BaseSettings):
     )
     trace_content: bool = False
     egress_allowlist: list[str] = Field(default_factory=list)
+    fallback_min_speedup: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="Switch a method off while its estimated speedup stays below this (0: never).",
+    )
+    acceptance_thresholds: dict[Method, float] = Field(
+        default_factory=dict,
+        description="Acceptance threshold per method, e.g. {\"ngram\": 0.3}; by default only "
+        "the draft model has one (acceptance_threshold).",
+    )
 
     @field_validator("speculative_config")
     @classmethod
@@ -218,6 +228,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         "draft_confidence_threshold": settings.draft_confidence_threshold,
         "window_tokens": settings.fallback_window_tokens,
         "probe_interval_requests": settings.fallback_probe_interval,
+        "min_speedup": settings.fallback_min_speedup,
+        "acceptance_thresholds": settings.acceptance_thresholds,
     }
     optional = {
         "prompt_lookup_min": settings.prompt_lookup_min,

@@ -155,7 +155,9 @@ def test_every_method_equals_plain_decoding_and_transformers(
     name: str, tokenizer: PreTrainedTokenizerFast, tmp_path: Path
 ) -> None:
     target, draft = build(tmp_path, name, tokenizer)
-    spec = SpeculativeConfig(acceptance_threshold=0.0, max_speculative_tokens=4)
+    spec = SpeculativeConfig(
+        acceptance_threshold=0.0, min_speedup=0.0, max_speculative_tokens=4
+    )
     engine = Engine.load(EngineConfig(target=target, draft=draft, dtype="float32",
                                       speculative=spec, cpu_threads=1))
     try:

@@ -51,7 +51,7 @@ def engine(pair: tuple[Path, Path]) -> Iterator[Engine]:
         target=pair[0],
         draft=pair[1],
         dtype="float32",
-        speculative=SpeculativeConfig(method="draft", acceptance_threshold=0.0),
+        speculative=SpeculativeConfig(method="draft", acceptance_threshold=0.0, min_speedup=0.0),
     )
     eng = Engine.load(config)
     yield eng
@@ -117,7 +117,7 @@ def test_eos_ends_generation_at_the_same_token_for_every_method(
             target=target,
             draft=pair[1],
             dtype="float32",
-            speculative=SpeculativeConfig(acceptance_threshold=0.0),
+            speculative=SpeculativeConfig(acceptance_threshold=0.0, min_speedup=0.0),
         )
     )
     try:
@@ -226,7 +226,8 @@ def test_fallback_switches_a_bad_method_off_and_back_on(pair: tuple[Path, Path])
     events: list[FallbackEvent] = []
     spec = SpeculativeConfig(
         method="ngram",
-        acceptance_threshold=0.6,
+        acceptance_thresholds={"ngram": 0.6},
+        min_speedup=0.0,
         window_tokens=16,
         probe_interval_requests=2,
         num_speculative_tokens=4,
@@ -262,7 +263,9 @@ def test_fallback_switches_a_bad_method_off_and_back_on(pair: tuple[Path, Path])
 
 def test_queue_depth_steps_down_to_plain_decoding(pair: tuple[Path, Path]) -> None:
     events: list[FallbackEvent] = []
-    spec = SpeculativeConfig(method="ngram", acceptance_threshold=0.0, disable_by_queue_depth=1)
+    spec = SpeculativeConfig(
+        method="ngram", acceptance_threshold=0.0, min_speedup=0.0, disable_by_queue_depth=1
+    )
     eng = Engine.load(
         EngineConfig(target=pair[0], dtype="float32", speculative=spec), events.append
     )
@@ -284,7 +287,8 @@ def test_queue_depth_steps_down_to_plain_decoding(pair: tuple[Path, Path]) -> No
 def test_monitor_needs_a_full_window_before_switching() -> None:
     events: list[FallbackEvent] = []
     monitor = FallbackMonitor(
-        "m", threshold=0.5, window_tokens=10, probe_interval=3, listener=events.append
+        "m", {"draft": 0.5}, min_speedup=0.0, window_tokens=10, probe_interval=3,
+        costs=PassCosts(), listener=events.append,
     )
     monitor.record("draft", 8, 0)
     assert not monitor.is_disabled("draft")
@@ -376,7 +380,7 @@ def test_an_unsure_draft_stops_early_under_adaptive_k_only(pair: tuple[Path, Pat
 
     # Every token is below a confidence of 1: the draft stops after its first one.
     unsure = SpeculativeConfig(
-        method="draft", acceptance_threshold=0.0, draft_confidence_threshold=1.0
+        method="draft", acceptance_threshold=0.0, min_speedup=0.0, draft_confidence_threshold=1.0
     )
     eng = Engine.load(EngineConfig(target=pair[0], draft=pair[1], speculative=unsure))
     try:
@@ -473,7 +477,7 @@ def test_copy_of_the_target_is_always_accepted(pair: tuple[Path, Path], tmp_path
             target=pair[0],
             draft=copy,
             dtype="float32",
-            speculative=SpeculativeConfig(acceptance_threshold=0.0),
+            speculative=SpeculativeConfig(acceptance_threshold=0.0, min_speedup=0.0),
         )
     )
     try:

@@ -21,6 +21,7 @@ from tests.tiny_models import build_noisy_copy, build_pair
 NO_FALLBACK = SpeculativeConfig(
     method="draft",
     acceptance_threshold=0.0,
+    min_speedup=0.0,
     prompt_lookup_max=3,
     draft_confidence_threshold=0.1,
 )

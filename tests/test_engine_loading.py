@@ -94,7 +94,7 @@ def test_padded_vocabulary_draft_is_accepted_and_exact(tmp_path: Path) -> None:
     target = build_model(tmp_path / "t", tokenizer, seed=0, vocab_size=real + 64)
     draft = build_model(tmp_path / "d", tokenizer, seed=1, hidden=32, layers=1,
                         vocab_size=real + 8)
-    spec = SpeculativeConfig(acceptance_threshold=0.0)
+    spec = SpeculativeConfig(acceptance_threshold=0.0, min_speedup=0.0)
     engine = Engine.load(EngineConfig(target=target, draft=draft, dtype="float32",
                                       speculative=spec))
     try:
@@ -139,7 +139,7 @@ def test_draft_with_a_shorter_window_steps_aside_past_it(tmp_path: Path) -> None
     )
     GPT2LMHeadModel(draft_config).save_pretrained(tmp_path / "d")
     tokenizer.save_pretrained(tmp_path / "d")
-    spec = SpeculativeConfig(acceptance_threshold=0.0)
+    spec = SpeculativeConfig(acceptance_threshold=0.0, min_speedup=0.0)
     engine = Engine.load(EngineConfig(target=target, draft=tmp_path / "d", dtype="float32",
                                       speculative=spec))
     try:

@@ -45,7 +45,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         draft=draft,
         dtype="float32",
         speculative=SpeculativeConfig(
-            method="draft", acceptance_threshold=0.0, prompt_lookup_max=3
+            method="draft", acceptance_threshold=0.0, min_speedup=0.0, prompt_lookup_max=3
         ),
     )
     eng = Engine.load(config)

@@ -192,7 +192,9 @@ class Telemetry:
         Called from the engine's worker thread.
         """
         self.metrics.observe_fallback(event)
-        attributes = {f"specgate.fallback.{k}": v for k, v in event.as_dict().items()}
+        attributes = {
+            f"specgate.fallback.{k}": v for k, v in event.as_dict().items() if v is not None
+        }
         span = trace.get_current_span()
         if span.is_recording():
             span.add_event("specgate.fallback", attributes)  # type: ignore[arg-type]
