@@ -182,6 +182,10 @@ class MethodUnavailableError(InvalidRequestError):
     """A request asked for a speculation method this engine has not loaded."""
 
 
+class NoChatTemplateError(InvalidRequestError):
+    """A chat request for a model whose tokenizer has no chat template."""
+
+
 class QueueFullError(EngineError):
     """The bounded request queue is full (the gateway answers 429)."""
 

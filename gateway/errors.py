@@ -20,6 +20,7 @@ from engine.types import (
     EngineClosedError,
     InvalidRequestError,
     MethodUnavailableError,
+    NoChatTemplateError,
     PromptTooLongError,
     QueueFullError,
 )
@@ -83,6 +84,8 @@ def from_engine_error(error: Exception) -> APIError:
         return APIError(
             400, str(error), param=error.param or "speculative.method", code="method_unavailable"
         )
+    if isinstance(error, NoChatTemplateError):
+        return APIError(400, str(error), param=error.param, code="chat_template_missing")
     if isinstance(error, InvalidRequestError):
         return APIError(400, str(error), param=error.param)
     if isinstance(error, QueueFullError):

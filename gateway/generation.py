@@ -19,6 +19,7 @@ import anyio
 import structlog
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
+from engine.chat import render_chat
 from engine.service import Engine
 from engine.types import (
     EngineError,
@@ -125,10 +126,7 @@ def chat_prompt(body: ChatCompletionRequest, engine: Engine) -> Prompt:
         }
         for message in body.messages
     ]
-    text = engine.tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
-    assert isinstance(text, str)
+    text = render_chat(engine.tokenizer, messages)
     token_ids = tuple(engine.tokenizer.encode(text, add_special_tokens=False))
     return Prompt(
         token_ids,
