@@ -163,6 +163,7 @@ def test_every_method_equals_plain_decoding_and_transformers(
     try:
         prompt = tokenizer.encode(PROMPT)
         assert len(prompt) > 2 * WINDOW
+        assert engine.max_context == 256  # from the text config (Gemma 3's is nested)
 
         def run(method: str, k: int | None) -> list[int]:
             params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

@@ -148,20 +148,47 @@ def greedy(prompt: list[int], tokens: int = 48, method: str = "ngram") -> Genera
     return GenerationRequest(tuple(prompt), params, SpeculativeChoice(method))  # type: ignore[arg-type]
 
 
-def test_one_early_rejection_does_not_lock_adaptive_k_at_zero(ngram_engine: Engine) -> None:
-    """The engine's state after a first n-gram request whose one proposed token was rejected
-    (history and window: one token, 0 %), with a quiet machine's pass costs held fixed (on
-    busy cores a stalled one-token pass can hide the lock-out). Before the fix every later
-    request ran plain for good, with no event; now they speculate and get back to long
-    proposals."""
-    engine = ngram_engine
+def hold_costs(engine: Engine, proposer: dict[str, float]) -> None:
+    """A quiet machine's pass costs, held fixed (on busy shared cores a stalled pass can make
+    a small pass look cheaper than a one-token one and hide what is tested here)."""
     costs = engine._costs
     costs._target.clear()
     for tokens in range(1, 18):
         costs.record_target(tokens, PLAIN * (1 + 0.02 * (tokens - 1)))
-    costs.record_proposer("ngram", 0.00005)
+    for method, seconds in proposer.items():
+        costs.record_proposer(method, seconds)
     costs.record_target = lambda tokens, seconds: None  # type: ignore[method-assign]
     costs.record_proposer = lambda method, seconds: None  # type: ignore[method-assign]
+
+
+def test_a_draft_adaptive_k_stops_using_shows_as_stopped(pair: tuple[Path, Path]) -> None:
+    """A random draft that costs half a target pass: adaptive k runs plain steps (probing
+    now and then); the engine reports the method as stopped, with an event."""
+    events: list[FallbackEvent] = []
+    spec = SpeculativeConfig(method="draft", acceptance_threshold=0.0, min_speedup=0.0)
+    engine = Engine.load(
+        EngineConfig(target=pair[0], draft=pair[1], dtype="float32", speculative=spec),
+        events.append,
+    )
+    try:
+        hold_costs(engine, {"draft": 0.5 * PLAIN})
+        for start in range(3, 6):
+            stats = engine.generate(greedy([start, 9, 11], 48, "draft")).stats
+            assert stats.num_drafts > 0  # probes
+        assert engine.fallback_state() == {"ngram": False, "draft": True}
+        [event] = events
+        assert event.action == "disabled" and "adaptive k chose plain" in event.reason
+    finally:
+        engine.close()
+
+
+def test_one_early_rejection_does_not_lock_adaptive_k_at_zero(ngram_engine: Engine) -> None:
+    """The engine's state after a first n-gram request whose one proposed token was rejected
+    (history and window: one token, 0 %), with pass costs held fixed. Before the fix every later
+    request ran plain for good, with no event; now they speculate and get back to long
+    proposals."""
+    engine = ngram_engine
+    hold_costs(engine, {"ngram": 0.00005})
     plain = engine.generate(greedy([7, 8, 9], 40, "none")).token_ids
     engine._monitor.record("ngram", 1, 0, passes=1)
     engine._run_lengths["ngram"].record(1, 0)
