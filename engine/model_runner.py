@@ -28,16 +28,19 @@ class ModelRunner:
         self.device = model.device
         self.cache = new_cache(model.config)
         self.recurrent = has_recurrent_state(self.cache)
+        # Counted here: a cache of recurrent layers only (Mamba) has no sequence length.
+        self._length = 0
         # Passes since the last rollback, with recurrent layers: (start, tokens, states before).
         self._passes: list[tuple[int, list[int], RecurrentStates]] = []
 
     @property
     def length(self) -> int:
-        """Number of positions whose keys and values are cached."""
-        return self.cache.get_seq_length()
+        """Number of positions whose keys and values (or recurrent state) are cached."""
+        return self._length
 
     def reset(self) -> None:
         self.cache = new_cache(self.model.config)
+        self._length = 0
         self._passes.clear()
 
     @torch.inference_mode()
@@ -52,6 +55,7 @@ class ModelRunner:
             return  # nothing cached (transformers' layers cannot crop before their first pass)
         if not (self.recurrent and excess):
             self.cache.crop(-excess)
+            self._length = length
             return
         crossing = [p for p in passes if p[0] <= length]
         if not crossing:
@@ -62,6 +66,7 @@ class ModelRunner:
         else:
             self.cache.crop(-(self.length - start))
             restore_recurrent_states(self.cache, states)
+        self._length = start
         if length > start:
             self._run(tokens[: length - start], last_only=True)
 
@@ -79,4 +84,5 @@ class ModelRunner:
         out = self.model(
             input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0
         )
+        self._length += len(token_ids)
         return out.logits[0].float()

@@ -20,6 +20,7 @@ from opentelemetry import trace
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.adaptive import FallbackMonitor, PassCosts, RunLengths, SpeculationLength
+from engine.compat import continues_exactly
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill
 from engine.loading import (
@@ -134,6 +135,9 @@ class Engine:
         self.device = target.device
         self.target_dtype = target.dtype
         self._target = ModelRunner(target)
+        # False where the target cannot verify several tokens in one pass (engine.compat):
+        # then no speculation method is offered.
+        self.can_speculate = continues_exactly(self._target, self.vocab_size)
         spec = config.speculative
         self._proposers: dict[Method, Proposer] = {
             "ngram": NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -145,6 +149,8 @@ class Engine:
                 proposable_ids=min(len(tokenizer), embedding_rows(draft), self.vocab_size),
                 window=context_window(draft.config),
             )
+        if not self.can_speculate:
+            self._proposers = {}
         self.available_methods: tuple[Method, ...] = ("none", *self._proposers)
         self._eos = _eos_ids(target, tokenizer)
         self._listener = on_fallback
@@ -285,6 +291,8 @@ class Engine:
         method: Method = request.speculative.method or spec.method
         if method == "none":
             return _Plan(None, "none", False)
+        if method not in self._proposers:  # the default method, on a model that cannot verify
+            return _Plan(None, method, True)
         params = request.sampling
         pinned = not params.greedy and params.seed is not None
         fixed_k = request.speculative.num_speculative_tokens or spec.num_speculative_tokens
