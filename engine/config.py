@@ -108,6 +108,12 @@ class EngineConfig(BaseModel):
         "cores one thread keeps multi-token verification passes cheap.",
     )
     served_model_name: str | None = None
+    translate_draft_tokens: bool = Field(
+        default=False,
+        description="Accept a draft whose tokenizer differs from the target's: its output is "
+        "re-tokenized into the target's ids and proposed as a deterministic guess (Hugging "
+        "Face's universal assisted decoding). Off: such a draft is refused at load.",
+    )
 
     @model_validator(mode="after")
     def _draft_needed(self) -> EngineConfig:

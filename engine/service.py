@@ -34,12 +34,14 @@ from engine.loading import (
 from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
 from engine.proposers import DraftModelProposer, NgramProposer, Proposer
+from engine.proposers.translating import TranslatingDraftProposer
 from engine.types import (
     EngineClosedError,
     FallbackEvent,
     GenerationRequest,
     GenerationResult,
     GenerationStats,
+    IncompatibleDraftError,
     InvalidRequestError,
     Method,
     MethodUnavailableError,
@@ -122,7 +124,10 @@ class Engine:
         draft: PreTrainedModel | None = None,
         draft_version: str | None = None,
         on_fallback: FallbackListener | None = None,
+        draft_tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
+        """``draft_tokenizer`` given: the draft has its own tokenizer, and proposes through
+        ``TranslatingDraftProposer``."""
         self.config = config
         self.speculative_config: SpeculativeConfig = config.speculative
         self.tokenizer = tokenizer
@@ -142,7 +147,15 @@ class Engine:
         self._proposers: dict[Method, Proposer] = {
             "ngram": NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         }
-        if draft is not None:
+        if draft is not None and draft_tokenizer is not None:
+            self._proposers["draft"] = TranslatingDraftProposer(
+                ModelRunner(draft),
+                tokenizer,
+                draft_tokenizer,
+                target_ids=self.vocab_size,
+                window=context_window(draft.config),
+            )
+        elif draft is not None:
             self._proposers["draft"] = DraftModelProposer(
                 ModelRunner(draft),
                 target_ids=self.vocab_size,
@@ -185,13 +198,18 @@ class Engine:
             torch.set_num_threads(config.cpu_threads)
         tokenizer = load_tokenizer(config.target)
         target = load_model(config.target, device, config.dtype)
-        draft = draft_version = None
+        draft = draft_version = translated = None
         if config.draft is not None:
             draft_tokenizer = load_tokenizer(config.draft)
             draft = load_model(config.draft, device, config.dtype)
-            check_draft_compatible(
-                tokenizer, draft_tokenizer, embedding_rows(draft), embedding_rows(target)
-            )
+            try:
+                check_draft_compatible(
+                    tokenizer, draft_tokenizer, embedding_rows(draft), embedding_rows(target)
+                )
+            except IncompatibleDraftError:
+                if not config.translate_draft_tokens:
+                    raise
+                translated = draft_tokenizer
             draft_version = model_version(config.draft)
         return cls(
             config,
@@ -201,6 +219,7 @@ class Engine:
             draft,
             draft_version,
             on_fallback,
+            translated,
         )
 
     @property
@@ -327,7 +346,7 @@ class Engine:
         for tokens in range(1, self.speculative_config.max_speculative_tokens + 2):
             self._costs.record_target(tokens, seconds(self._target, prompt[:tokens]))
         draft = self._proposers.get("draft")
-        if isinstance(draft, DraftModelProposer):
+        if isinstance(draft, DraftModelProposer | TranslatingDraftProposer):
             prefill(draft.runner, prompt)
             self._costs.record_proposer("draft", seconds(draft.runner, prompt[-1:]))
             draft.start([])

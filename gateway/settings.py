@@ -123,6 +123,10 @@ class Settings(BaseSettings):
         description="Acceptance threshold per method, e.g. {\"ngram\": 0.3}; by default only "
         "the draft model has one (acceptance_threshold).",
     )
+    translate_draft_tokens: bool = Field(
+        default=False,
+        description="Accept a draft with another tokenizer (its text re-tokenized for the target).",
+    )
 
     @field_validator("speculative_config")
     @classmethod
@@ -252,6 +256,7 @@ def engine_config(settings: Settings) -> EngineConfig:
             cpu_threads=settings.cpu_threads,
             served_model_name=settings.served_model_name
             or (DEMO_MODEL_NAME if settings.target is None else None),
+            translate_draft_tokens=settings.translate_draft_tokens,
         )
     except ValidationError as error:
         if method == "draft" and draft is None:
