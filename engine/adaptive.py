@@ -248,11 +248,14 @@ class FallbackMonitor:
     threshold where it has one (``thresholds``: by default only model-based proposers, whose
     proposals cost time, keep the seed's 60 % rule; n-gram lookup costs next to nothing, so a
     low acceptance of long proposals can still pay). The speedup comes from the measured
-    acceptance, the mean k and the pass costs::
+    acceptance, the mean k and the pass costs, over all the passes of the window's requests
+    (those that verified a proposal, and plain ones where nothing was proposed)::
 
-        speedup = tokens per pass * t(1) / (t(k + 1) + k * proposer cost per token)
+        speedup = tokens * t(1) / (verifying passes * (t(k + 1) + k * proposer cost per token)
+                                   + other passes * t(1))
 
-    which with t(k + 1) = t(1) is the textbook (1 - a^(k+1)) / ((1 - a)(k c + 1)).
+    which for requests that propose at every pass, with t(k + 1) = t(1), is the textbook
+    (1 - a^(k+1)) / ((1 - a)(k c + 1)). Per-step overheads outside the passes are not in it.
 
     Adaptive k can also stop proposing by itself (k = 0 pays best); a method whose requests
     mostly ran plain is reported too (``idle``), so that it is visible beside the switched
@@ -293,13 +296,13 @@ class FallbackMonitor:
         self.costs = costs
         self.listener = listener
         self._lock = threading.Lock()
-        # Per method: (draft tokens, accepted, passes with a proposal) per request.
-        self._windows: dict[Method, deque[tuple[int, int, int]]] = {}
+        # Per method, per request: (draft tokens, accepted, passes with a proposal, all passes).
+        self._windows: dict[Method, deque[tuple[int, int, int, int]]] = {}
         self._disabled: dict[Method, int] = {}  # method -> requests seen while switched off
         self._idle: set[Method] = set()
         self._slow: dict[Method, int] = {}  # evaluations in a row with the speedup too low
 
-    def _window(self, method: Method) -> deque[tuple[int, int, int]]:
+    def _window(self, method: Method) -> deque[tuple[int, int, int, int]]:
         return self._windows.setdefault(method, deque())
 
     def threshold(self, method: Method) -> float | None:
@@ -315,8 +318,8 @@ class FallbackMonitor:
         """The window's acceptance shrunk toward ``NEUTRAL_ALPHA``: adaptive k's prior."""
         with self._lock:
             window = self._window(method)
-            proposed = sum(p for p, _, _ in window)
-            accepted = sum(a for _, a, _ in window)
+            proposed = sum(entry[0] for entry in window)
+            accepted = sum(entry[1] for entry in window)
         return (accepted + self.PRIOR_TOKENS * self.NEUTRAL_ALPHA) / (
             proposed + self.PRIOR_TOKENS
         )
@@ -327,9 +330,10 @@ class FallbackMonitor:
 
     def _figures(self, method: Method) -> WindowFigures:
         window = self._window(method)
-        proposed = sum(p for p, _, _ in window)
-        accepted = sum(a for _, a, _ in window)
-        passes = sum(n for _, _, n in window)
+        proposed = sum(entry[0] for entry in window)
+        accepted = sum(entry[1] for entry in window)
+        passes = sum(entry[2] for entry in window)
+        steps = sum(entry[3] for entry in window)
         rate = accepted / proposed if proposed else 1.0
         plain = self.costs.target(1)
         if not passes or not plain:
@@ -337,7 +341,9 @@ class FallbackMonitor:
         per_token = self.costs.proposer(method)
         mean_k = proposed / passes
         verify = self.costs.target(max(2, round(mean_k) + 1)) or plain
-        speedup = (accepted + passes) / passes * plain / (verify + mean_k * per_token)
+        # Passes that verified a proposal, and the others (nothing proposed: plain steps).
+        seconds = passes * (verify + mean_k * per_token) + (steps - passes) * plain
+        speedup = (accepted + steps) * plain / seconds
         return WindowFigures(rate, proposed, per_token / plain, speedup)
 
     def _pays(self, method: Method, figures: WindowFigures) -> tuple[bool, str]:
@@ -385,15 +391,18 @@ class FallbackMonitor:
         plain_steps: int = 0,
     ) -> None:
         """One request's figures: draft tokens, accepted ones, target passes that verified a
-        proposal (``passes``), all target passes (``steps``) and those adaptive k chose to
-        run plain (``plain_steps``)."""
+        proposal (``passes``), all target passes (``steps``; 0: only ``passes``) and those
+        adaptive k chose to run plain (``plain_steps``; 0 with a fixed k)."""
         events = []
         with self._lock:
             idle_event = self._record_idle(method, steps, plain_steps)
             if idle_event is not None:
                 events.append(idle_event)
             if proposed:
-                switch = self._record_window(method, proposed, accepted, max(passes, 1))
+                passes = max(passes, 1)
+                switch = self._record_window(
+                    method, proposed, accepted, passes, max(steps, passes)
+                )
                 if switch is not None:
                     events.append(switch)
         if self.listener is not None:
@@ -401,11 +410,11 @@ class FallbackMonitor:
                 self.listener(event)
 
     def _record_window(
-        self, method: Method, proposed: int, accepted: int, passes: int
+        self, method: Method, proposed: int, accepted: int, passes: int, steps: int
     ) -> FallbackEvent | None:
         window = self._window(method)
-        window.append((proposed, accepted, passes))
-        total = sum(p for p, _, _ in window)
+        window.append((proposed, accepted, passes, steps))
+        total = sum(entry[0] for entry in window)
         while window and total - window[0][0] >= self.window_tokens:
             total -= window.popleft()[0]
         figures = self._figures(method)

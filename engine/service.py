@@ -421,7 +421,7 @@ class Engine:
                 stats.num_draft_tokens,
                 stats.num_accepted_tokens,
                 passes=stats.num_drafts,
-                steps=stats.num_target_passes if adaptive else 0,
+                steps=stats.num_target_passes,
                 plain_steps=plan.speculation.length.plain_steps if adaptive else 0,
             )
 
