@@ -26,6 +26,13 @@ from engine.types import (
     SamplingParams,
     SpeculativeChoice,
 )
+from tests.test_engine_sampling import (
+    SIGNIFICANCE,
+    chi_square_p_value,
+    draw,
+    exact_pair_distribution,
+    next_token_probs,
+)
 from tests.tiny_models import build_tokenizer
 
 WINDOW = 8  # sliding window / attention chunk: the prompt alone crosses it
@@ -281,3 +288,28 @@ def test_rolled_back_cache_continues_like_a_fresh_one(
             assert torch.allclose(rolled[index], state, atol=1e-6, rtol=1e-4)
     expected = runner.forward(nxt)
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding", "qwen3-next-hybrid"])
+def test_sampling_past_the_window_draws_from_the_target(
+    name: str, tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    """Rejection sampling with rollbacks past the window (sliding cache) and by replay
+    (recurrent state): the first two sampled tokens after a prompt longer than the window
+    follow the target's exact joint distribution (chi-square, as tests/test_engine_sampling)."""
+    target, draft = build(tmp_path, name, tokenizer)
+    spec = SpeculativeConfig(acceptance_threshold=0.0, min_speedup=0.0)
+    engine = Engine.load(EngineConfig(target=target, draft=draft, dtype="float32",
+                                      speculative=spec, cpu_threads=1))
+    try:
+        params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+        prompt = tokenizer.encode(PROMPT)
+        draft_model = engine._proposers["draft"].runner.model  # type: ignore[attr-defined]
+        p = next_token_probs(engine._target.model, [prompt], params)[0]
+        q = next_token_probs(draft_model, [prompt], params)[0]
+        assert 0.05 < 0.5 * float((p - q).abs().sum()) < 0.95  # a wrong rule would show
+        exact = exact_pair_distribution(engine, prompt, params)
+        counts = draw(engine, prompt, params, "draft")
+        assert chi_square_p_value(counts, exact) > SIGNIFICANCE
+    finally:
+        engine.close()
