@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Any
 
 import sqlalchemy as sa
 import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.audit.canonical import event_bytes, format_timestamp, normalise_payload
@@ -40,7 +42,7 @@ from gateway.audit.merkle import (
     perfect_pieces,
     range_hash,
 )
-from gateway.audit.note import NoteError, verify_checkpoint
+from gateway.audit.note import NoteError, cosignature_time, verify_checkpoint
 from gateway.audit.records import (
     EXPORT_FORMATS,
     CheckpointRecord,
@@ -104,6 +106,16 @@ class _Pending:
     done: bool = False
     result: AppendedEvent | None = None
     error: BaseException | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class WitnessPolicy:
+    """The witness whose cosignatures this gateway accepts, and how fresh the newest one must
+    be for ``integrity_ok`` (None: any age)."""
+
+    public_key: Ed25519PublicKey
+    name: str
+    max_age_s: float | None = None
 
 
 def _checked_event(kind: str, actor: str | None) -> tuple[str, str | None]:
@@ -228,6 +240,7 @@ class AuditLog:
         mac: EventMac | None = None,
         state_path: Path | None = None,
         lock_timeout_s: float = APPEND_LOCK_TIMEOUT_S,
+        witness: WitnessPolicy | None = None,
     ) -> None:
         """``signer`` may be left out by tools that only append (the key CLI); checkpoints,
         exports and verification need it. Without ``mac`` events are written unauthenticated
@@ -239,6 +252,7 @@ class AuditLog:
         self._state_path = Path(state_path).expanduser() if state_path else None
         self._state = load_state(self._state_path)
         self._lock_timeout_s = lock_timeout_s
+        self._witness = witness
         self._lock = threading.Lock()
         self._checkpoint_lock = threading.Lock()
         self._queue: list[_Pending] = []
@@ -416,7 +430,7 @@ class AuditLog:
             .where(audit_events.c.seq > trusted, audit_events.c.seq <= size)
             .order_by(audit_events.c.seq)
         )
-        for row in connection.execution_options(yield_per=2000).execute(query):
+        for row in connection.execute(query.execution_options(yield_per=2000)):
             record = record_from_row(row)
             expected = frontier.size + 1
             problem = event_problem(record, expected, previous_hash, self._mac)
@@ -456,7 +470,7 @@ class AuditLog:
         query = (
             sa.select(audit_events).where(audit_events.c.seq <= upto).order_by(audit_events.c.seq)
         )
-        for row in connection.execution_options(yield_per=2000).execute(query):
+        for row in connection.execute(query.execution_options(yield_per=2000)):
             record = record_from_row(row)
             problem = event_problem(record, expected, previous_hash, self._mac)
             if problem is not None:
@@ -485,7 +499,69 @@ class AuditLog:
         """Hook for subclasses (the metrics); called once per alarm."""
 
     def integrity_ok(self) -> bool:
-        return self.tamper is None
+        """No tampering seen, and (when required) a fresh enough witness cosignature."""
+        if self.tamper is not None:
+            return False
+        witness = self._witness
+        if witness is None or witness.max_age_s is None:
+            return True
+        newest = self.newest_cosignature()
+        return newest is not None and time.time() - newest <= witness.max_age_s
+
+    def record_cosignature(self, note: str, actor: str | None) -> int:
+        """Record a witness's cosignature of one of this log's checkpoints (a ``cosignature``
+        event); returns the cosignature's time. Raises NoteError or ValueError if refused."""
+        if self._witness is None:
+            raise ValueError("this gateway has no witness key configured")
+        checkpoint = verify_checkpoint(note, self.signer.public_key, self.signer.origin)
+        cosigned_at = cosignature_time(note, self._witness.name, self._witness.public_key)
+        size, _ = self.head()
+        if checkpoint.size > size:
+            raise ValueError("the checkpoint is larger than this log")
+        try:
+            with self._db.connect() as connection:
+                stored = read_nodes(connection, set(perfect_pieces(0, checkpoint.size)))
+        except SQLAlchemyError as exc:
+            raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+        if range_hash(0, checkpoint.size, stored.__getitem__) != checkpoint.root:
+            raise ValueError("the cosigned checkpoint is not this log's tree at its size")
+        self.append(
+            "cosignature",
+            actor,
+            {
+                "note": note,
+                "size": checkpoint.size,
+                "witness": self._witness.name,
+                "cosigned_at": cosigned_at,
+            },
+        )
+        return cosigned_at
+
+    def newest_cosignature(self) -> int | None:
+        """Time of the newest valid cosignature by the configured witness in the log."""
+        if self._witness is None:
+            return None
+        query = (
+            sa.select(audit_events.c.payload)
+            .where(audit_events.c.kind == "cosignature")
+            .order_by(audit_events.c.seq.desc())
+            .limit(20)
+        )
+        try:
+            with self._db.connect() as connection:
+                payloads = [row.payload for row in connection.execute(query)]
+        except SQLAlchemyError:
+            return None
+        for payload in payloads:
+            note = payload.get("note") if isinstance(payload, dict) else None
+            if not isinstance(note, str):
+                continue
+            try:
+                verify_checkpoint(note, self.signer.public_key, self.signer.origin)
+                return cosignature_time(note, self._witness.name, self._witness.public_key)
+            except NoteError:
+                continue
+        return None
 
     def latest_checkpoint(self) -> str:
         """The newest checkpoint note in the log signed by this gateway's key (any replica's);
@@ -635,7 +711,7 @@ class AuditLog:
             )
             try:
                 with self._db.connect() as connection:
-                    for row in connection.execution_options(yield_per=1000).execute(query):
+                    for row in connection.execute(query.execution_options(yield_per=1000)):
                         yield encode_record(record_from_row(row), fmt)
             except SQLAlchemyError as exc:
                 raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
@@ -673,6 +749,10 @@ class AuditLog:
         except TamperDetectedError as error:
             return VerifyReport(False, 0, error.first_bad_seq, error.reason)
         first_seq, last_seq = self._seq_range(since, until)
+        if last_seq is not None and last_seq > checkpoint["size"]:  # written after signing
+            last_seq = checkpoint["size"]
+        if first_seq is None or last_seq is None or first_seq > last_seq:
+            first_seq = last_seq = None
         lines = self._export_lines(first_seq, last_seq, checkpoint, "jsonl")
         report = verify_export(lines, self.signer.public_key_pem(), mac=self._mac)
         if not report.ok:

@@ -53,14 +53,17 @@ def load_state(path: Path | None) -> SignedState:
 
 
 def save_state(path: Path | None, state: SignedState) -> None:
-    """Write atomically (temporary file, fsync, rename) so a crash leaves old or new."""
-    if path is None:
-        return
+    if path is not None:
+        write_atomically(path, state.dumps())
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write (temporary file, fsync, rename) so that a crash leaves the old or the new text."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".checkpoint-")
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(state.dumps())
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
