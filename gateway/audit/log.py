@@ -150,6 +150,16 @@ def insert_events(
 ) -> list[AppendedEvent]:
     """Append ``(kind, actor, normalised payload)`` events inside ``connection``'s open
     transaction (from ``gateway.db.write_connection``); they become visible at its commit."""
+    return _insert(connection, events, mac, lock_timeout_s)[0]
+
+
+def _insert(
+    connection: sa.Connection,
+    events: Sequence[tuple[str, str | None, dict[str, Any]]],
+    mac: EventMac | None,
+    lock_timeout_s: float,
+) -> tuple[list[AppendedEvent], CompactRange]:
+    """``insert_events``, also returning the compact range of the tree after the events."""
     head = lock_head(connection, lock_timeout_s)
     frontier = _frontier(head.tree_size, head.frontier)
     seq, prev_hash = head.tree_size, head.head_hash
@@ -189,7 +199,7 @@ def insert_events(
         .where(audit_head.c.id == 1)
         .values(tree_size=seq, head_hash=prev_hash, frontier=b"".join(frontier.hashes))
     )
-    return appended
+    return appended, frontier
 
 
 def record_from_row(row: sa.Row[Any]) -> EventRecord:
@@ -258,6 +268,9 @@ class AuditLog:
         self._queue: list[_Pending] = []
         self._writing = False
         self.tamper: TamperDetectedError | None = None
+        # (size, root) after this process's newest committed append: the database must keep
+        # extending it, even before a checkpoint covers it.
+        self._appended: tuple[int, bytes] = (0, b"")
 
     @property
     def signer(self) -> CheckpointSigner:
@@ -309,6 +322,11 @@ class AuditLog:
         )
         return appended
 
+    def _remember(self, frontier: CompactRange) -> None:
+        with self._lock:
+            if frontier.size > self._appended[0]:
+                self._appended = (frontier.size, frontier.root())
+
     def _lead(self, own: _Pending) -> None:
         """Write queued batches until ``own`` is written, then hand the writer's role to the
         first caller still waiting, if any (waking only that one)."""
@@ -329,12 +347,13 @@ class AuditLog:
         """Commit ``batch`` in one transaction; hand each caller its result or the error."""
         try:
             with write_connection(self._db) as connection, connection.begin():
-                results = insert_events(
+                results, frontier = _insert(
                     connection,
                     [(p.kind, p.actor, p.payload) for p in batch],
                     self._mac,
                     self._lock_timeout_s,
                 )
+            self._remember(frontier)
         except BaseException as exc:  # every waiting caller must wake, whatever happened
             for pending in batch:
                 pending.error = exc
@@ -411,11 +430,15 @@ class AuditLog:
         """``state`` extended by the events after it up to ``size``, each checked (sequence,
         chain, hash, MAC, stored leaf); the stored tree must then have the same root."""
         trusted = state.frontier.size
-        if size < trusted:
-            raise TamperDetectedError(
+        appended_size, appended_root = self._appended
+        known = max(trusted, appended_size)
+        if size < known:
+            raise self._located(
+                connection,
+                f"the log has {size} events but this gateway signed or wrote {known}: "
+                f"events {size + 1}..{known} were deleted (truncation)",
                 size + 1,
-                f"the log has {size} events but this gateway signed a checkpoint of {trusted}: "
-                f"events {size + 1}..{trusted} were deleted (truncation)",
+                before=size,
             )
         frontier, previous_hash = state.frontier.copy(), state.head_hash
         query = (
@@ -430,6 +453,16 @@ class AuditLog:
             .where(audit_events.c.seq > trusted, audit_events.c.seq <= size)
             .order_by(audit_events.c.seq)
         )
+
+        def check_appended() -> None:
+            if frontier.size == appended_size and frontier.root() != appended_root:
+                raise self._located(
+                    connection,
+                    f"events {trusted + 1}..{appended_size} are not those this gateway wrote",
+                    trusted + 1,
+                    before=trusted,
+                )
+
         for row in connection.execute(query.execution_options(yield_per=2000)):
             record = record_from_row(row)
             expected = frontier.size + 1
@@ -439,8 +472,10 @@ class AuditLog:
                 problem = (record.seq, f"event {record.seq}: stored leaf hash does not match it")
             if problem is not None:
                 raise self._located(connection, problem[1], problem[0], before=trusted)
+            check_appended()
             frontier.append(leaf_hash(data))
             previous_hash = record.event_hash
+        check_appended()
         if frontier.size != size:
             raise self._located(
                 connection, f"event {frontier.size + 1} is missing", frontier.size + 1, trusted

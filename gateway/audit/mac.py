@@ -60,4 +60,6 @@ class EventMac:
         return hmac.new(self._key, data, hashlib.sha256).hexdigest()
 
     def valid(self, data: bytes, mac: str | None) -> bool:
-        return isinstance(mac, str) and hmac.compare_digest(self.mac(data), mac)
+        if not isinstance(mac, str):
+            return False
+        return hmac.compare_digest(self.mac(data).encode(), mac.encode("utf-8", "replace"))
