@@ -455,7 +455,7 @@ class AuditLog:
         )
 
         def check_appended() -> None:
-            if frontier.size == appended_size and frontier.root() != appended_root:
+            if 0 < appended_size == frontier.size and frontier.root() != appended_root:
                 raise self._located(
                     connection,
                     f"events {trusted + 1}..{appended_size} are not those this gateway wrote",

@@ -183,11 +183,19 @@ class _Walk:
         if trusted is None or self.trusted_checked:
             return
         if trusted.size > closing.size:
+            # With the MAC key every exported event is known to be a gateway's, so the first
+            # one missing is the first after them; without it, any of them may be replaced.
+            end = self.tree.start + self.count
+            first = end + 1 if self.mac is not None else None
             raise _Failed(
-                closing.size + 1,
-                f"the trusted checkpoint has {trusted.size} events, the export's only "
-                f"{closing.size}: events {closing.size + 1}..{trusted.size} are gone "
-                f"(truncation or a stale fork)",
+                first,
+                f"the trusted checkpoint has {trusted.size} events, the export's tree only "
+                f"{closing.size}: the log was truncated (or this is a stale fork); "
+                + (
+                    f"events from {end + 1} are missing"
+                    if first
+                    else f"the first changed event is one of 1..{closing.size + 1}"
+                ),
             )
         if self.tree.consistency_from != trusted.size:
             raise _Failed(
