@@ -127,7 +127,12 @@ def _checked_event(kind: str, actor: str | None) -> tuple[str, str | None]:
 
 
 def _frontier(size: int, packed: bytes) -> CompactRange:
-    return CompactRange(size, [packed[i : i + 32] for i in range(0, len(packed), 32)])
+    """The head row's compact range; a malformed one is tampering (a 503, never a 500)."""
+    packed = bytes(packed)
+    try:
+        return CompactRange(size, [packed[i : i + 32] for i in range(0, len(packed), 32)])
+    except ValueError as exc:
+        raise TamperDetectedError(None, f"the head row is malformed: {exc}") from None
 
 
 def lock_head(connection: sa.Connection, lock_timeout_s: float) -> sa.Row[Any]:
