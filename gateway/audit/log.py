@@ -222,16 +222,14 @@ def record_from_row(row: sa.Row[Any]) -> EventRecord:
 
 
 def read_nodes(connection: sa.Connection, wanted: set[Node]) -> dict[Node, bytes]:
-    """The stored perfect nodes ``wanted``, in one query per level; raises if one is missing."""
+    """The stored perfect nodes ``wanted``, in one query; raises if one is missing."""
     found: dict[Node, bytes] = {}
-    by_level: dict[int, list[int]] = {}
-    for level, index in wanted:
-        by_level.setdefault(level, []).append(index)
-    for level, indices in by_level.items():
-        query = sa.select(audit_merkle_nodes.c.idx, audit_merkle_nodes.c.hash).where(
-            audit_merkle_nodes.c.level == level, audit_merkle_nodes.c.idx.in_(indices)
-        )
-        for index, digest in connection.execute(query):
+    if wanted:
+        key = sa.tuple_(audit_merkle_nodes.c.level, audit_merkle_nodes.c.idx)
+        query = sa.select(
+            audit_merkle_nodes.c.level, audit_merkle_nodes.c.idx, audit_merkle_nodes.c.hash
+        ).where(key.in_(sorted(wanted)))
+        for level, index, digest in connection.execute(query):
             found[(level, index)] = bytes(digest)
     missing = wanted - found.keys()
     if missing:
