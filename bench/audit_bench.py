@@ -185,17 +185,49 @@ def scratch_database(server_url: str, maintenance_db: str) -> Iterator[str]:
 
 
 def bulk_load_tree(url: str, size: int) -> None:
-    """The nodes of a tree of ``size`` made-up leaves, loaded with COPY, and its head row."""
+    """A log of ``size`` small events and its tree, loaded with COPY on two connections (the
+    events are not chained: proofs read only the nodes and the leaves' events)."""
     compact = CompactRange()
-    with psycopg.connect(url) as connection:
-        with connection.cursor().copy(
-            "COPY audit_merkle_nodes (level, idx, hash) FROM STDIN (FORMAT BINARY)"
-        ) as copy:
-            copy.set_types(["int2", "int8", "bytea"])
-            for i in range(size):
-                for (level, index), digest in compact.append(leaf_hash(i.to_bytes(8, "big"))):
-                    copy.write_row((level, index, digest))
-        connection.execute(
+    created_at = datetime.now(UTC)
+    stamp = format_timestamp(created_at)
+    with psycopg.connect(url) as for_events, psycopg.connect(url) as for_nodes:
+        with (
+            for_events.cursor().copy(
+                "COPY audit_events (seq, event_id, created_at, kind, actor, payload, "
+                "prev_hash, event_hash) FROM STDIN"
+            ) as events,
+            for_nodes.cursor().copy(
+                "COPY audit_merkle_nodes (level, idx, hash) FROM STDIN (FORMAT BINARY)"
+            ) as nodes,
+        ):
+            nodes.set_types(["int2", "int8", "bytea"])
+            for seq in range(1, size + 1):
+                event_id, payload, prev_hash = str(uuid.UUID(int=seq)), {"i": seq}, "0" * 64
+                data = event_bytes(
+                    seq=seq,
+                    event_id=event_id,
+                    created_at=stamp,
+                    kind="request",
+                    actor=None,
+                    payload=payload,
+                    prev_hash=prev_hash,
+                )
+                events.write_row(
+                    (
+                        seq,
+                        event_id,
+                        created_at,
+                        "request",
+                        None,
+                        json.dumps(payload),
+                        prev_hash,
+                        hashlib.sha256(data).hexdigest(),
+                    )
+                )
+                for (level, index), digest in compact.append(leaf_hash(data)):
+                    if level:
+                        nodes.write_row((level, index, digest))
+        for_nodes.execute(
             "UPDATE audit_head SET tree_size = %s, frontier = %s",
             (size, b"".join(compact.hashes)),
         )

@@ -99,7 +99,9 @@ def rewrite(db: sa.Engine, change: Callable[[list[Row]], list[Row]]) -> None:
             )
             event["event_hash"] = prev = hashlib.sha256(data).hexdigest()
             nodes += [
-                {"level": n[0], "idx": n[1], "hash": h} for n, h in compact.append(leaf_hash(data))
+                {"level": n[0], "idx": n[1], "hash": h}
+                for n, h in compact.append(leaf_hash(data))
+                if n[0]  # leaves are not stored
             ]
         connection.execute(sa.delete(audit_events))
         connection.execute(sa.delete(audit_merkle_nodes))

@@ -194,11 +194,12 @@ def _insert(
                 "mac": mac.mac(data) if mac else None,
             }
         )
-        nodes += [{"level": n[0], "idx": n[1], "hash": h} for n, h in frontier.append(leaf)]
+        nodes += [{"level": n[0], "idx": n[1], "hash": h} for n, h in frontier.append(leaf) if n[0]]
         appended.append(AppendedEvent(seq, event_id, digest, created_at, leaf))
         prev_hash = digest
     connection.execute(sa.insert(audit_events), rows)
-    connection.execute(sa.insert(audit_merkle_nodes), nodes)
+    if nodes:
+        connection.execute(sa.insert(audit_merkle_nodes), nodes)
     connection.execute(
         sa.update(audit_head)
         .where(audit_head.c.id == 1)
@@ -222,15 +223,22 @@ def record_from_row(row: sa.Row[Any]) -> EventRecord:
 
 
 def read_nodes(connection: sa.Connection, wanted: set[Node]) -> dict[Node, bytes]:
-    """The stored perfect nodes ``wanted``, in one query; raises if one is missing."""
+    """The perfect nodes ``wanted``: interior ones stored, leaves (level 0, not stored)
+    hashed from their events; one query each. Raises if one is missing."""
     found: dict[Node, bytes] = {}
-    if wanted:
+    interior = sorted(node for node in wanted if node[0])
+    if interior:
         key = sa.tuple_(audit_merkle_nodes.c.level, audit_merkle_nodes.c.idx)
         query = sa.select(
             audit_merkle_nodes.c.level, audit_merkle_nodes.c.idx, audit_merkle_nodes.c.hash
-        ).where(key.in_(sorted(wanted)))
+        ).where(key.in_(interior))
         for level, index, digest in connection.execute(query):
             found[(level, index)] = bytes(digest)
+    leaves = [index + 1 for level, index in wanted if level == 0]
+    if leaves:
+        by_seq: sa.Select[Any] = sa.select(audit_events).where(audit_events.c.seq.in_(leaves))
+        for row in connection.execute(by_seq):
+            found[(0, row.seq - 1)] = leaf_hash(record_from_row(row).canonical_bytes())
     missing = wanted - found.keys()
     if missing:
         raise TamperDetectedError(
@@ -431,7 +439,7 @@ class AuditLog:
 
     def _extend(self, connection: sa.Connection, state: SignedState, size: int) -> SignedState:
         """``state`` extended by the events after it up to ``size``, each checked (sequence,
-        chain, hash, MAC, stored leaf); the stored tree must then have the same root."""
+        chain, hash, MAC); the stored tree must then have the same root."""
         trusted = state.frontier.size
         appended_size, appended_root = self._appended
         known = max(trusted, appended_size)
@@ -445,14 +453,7 @@ class AuditLog:
             )
         frontier, previous_hash = state.frontier.copy(), state.head_hash
         query = (
-            sa.select(audit_events, audit_merkle_nodes.c.hash.label("leaf"))
-            .outerjoin(
-                audit_merkle_nodes,
-                sa.and_(
-                    audit_merkle_nodes.c.level == 0,
-                    audit_merkle_nodes.c.idx == audit_events.c.seq - 1,
-                ),
-            )
+            sa.select(audit_events)
             .where(audit_events.c.seq > trusted, audit_events.c.seq <= size)
             .order_by(audit_events.c.seq)
         )
@@ -471,8 +472,6 @@ class AuditLog:
             expected = frontier.size + 1
             problem = event_problem(record, expected, previous_hash, self._mac)
             data = record.canonical_bytes()
-            if problem is None and (row.leaf is None or bytes(row.leaf) != leaf_hash(data)):
-                problem = (record.seq, f"event {record.seq}: stored leaf hash does not match it")
             if problem is not None:
                 raise self._located(connection, problem[1], problem[0], before=trusted)
             check_appended()

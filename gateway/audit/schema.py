@@ -25,8 +25,9 @@ audit_events = sa.Table(
 )
 
 # The Merkle tree's perfect subtrees: node (level, idx) is the hash of leaves
-# [idx * 2**level, (idx + 1) * 2**level); level 0 holds the leaf hashes. Written once, when the
-# subtree's last leaf is appended, so any proof reads O(log n) rows.
+# [idx * 2**level, (idx + 1) * 2**level), for level >= 1 (a leaf's hash is computed from its
+# event, seq = idx + 1). Written once, when the subtree's last leaf is appended, so any proof
+# reads O(log n) rows.
 audit_merkle_nodes = sa.Table(
     "audit_merkle_nodes",
     metadata,
