@@ -8,10 +8,12 @@ from __future__ import annotations
 import base64
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
@@ -26,6 +28,7 @@ from tests.tiny_models import build_pair
 
 CHAT = {"model": "target", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 WITNESS = "compliance-witness"
+LOCK_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +52,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, witness_dir: Path) -> Iter
             witness_public_key_path=witness_dir / "witness-public-key.pem",
             witness_name=WITNESS,
             witness_max_age_s=600.0,
+            audit_lock_timeout_s=LOCK_TIMEOUT_S,
         )
         with live_gateway(settings, name) as live:
             yield live
@@ -144,6 +148,24 @@ def test_witness_cosigns_and_readyz_requires_a_fresh_cosignature(
     stored = (witness_dir / "checkpoint").read_text()
     witness_key = load_or_create_private_key(witness_dir / "witness-key.pem").public_key()
     assert cosignature_time(stored, WITNESS, witness_key) > 0
+
+
+def test_a_held_append_lock_is_a_503_within_the_lock_timeout(gateway: LiveGateway) -> None:
+    url = gateway.services.settings.database_url
+    with psycopg.connect(url) as holder:
+        holder.execute("SELECT * FROM audit_head FOR UPDATE")
+        started = time.monotonic()
+        response = httpx.post(
+            gateway.base_url + "/v1/chat/completions",
+            json=CHAT,
+            headers={"authorization": f"Bearer {gateway.keys['app']}"},
+            timeout=30,
+        )
+        waited = time.monotonic() - started
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "audit_unavailable"
+    assert waited < LOCK_TIMEOUT_S + 2.0
+    chat(gateway)  # the lock is gone: served again
 
 
 def test_tamper_alarm_fails_readyz_and_counts(gateway: LiveGateway, witness_dir: Path) -> None:
