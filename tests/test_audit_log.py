@@ -256,3 +256,32 @@ def test_appends_fail_closed_while_postgres_refuses_writes_and_resume(
     report = log.verify()
     assert (report.ok, report.events_checked) == (True, 2)
     db.dispose()
+
+
+def test_export_after_the_trusted_checkpoint_needs_and_checks_a_consistency_proof(
+    log: AuditLog, signer: CheckpointSigner
+) -> None:
+    for i in range(5):
+        log.append("request", "a", {"i": i})
+    trusted = log.checkpoint()["note"]  # size 5
+    for i in range(6):
+        log.append("request", "a", {"i": i})
+    boundary = datetime.now(UTC)
+    log.append("request", "b", {"late": True})  # the export starts after the trusted size
+    pem = signer.public_key_pem()
+    with_proof = list(log.export(boundary, None, "jsonl", consistency_from=5))
+    report = verify_export(with_proof, pem, mac=MAC, trusted_checkpoint=trusted)
+    assert report.ok, report.reason
+    without = list(log.export(boundary, None, "jsonl"))
+    report = verify_export(without, pem, mac=MAC, trusted_checkpoint=trusted)
+    assert not report.ok and "consistency_from=5" in report.reason
+    tree = json.loads(with_proof[0])
+    assert tree["consistency"]
+    tree["consistency"][0] = (
+        tree["consistency"][-1] if len(tree["consistency"]) > 1 else ("A" * 43 + "=")
+    )
+    if tree["consistency"] == json.loads(with_proof[0])["consistency"]:
+        tree["consistency"][0] = "A" * 43 + "="
+    corrupted = [json.dumps(tree, sort_keys=True, separators=(",", ":")) + "\n", *with_proof[1:]]
+    report = verify_export(corrupted, pem, mac=MAC, trusted_checkpoint=trusted)
+    assert not report.ok and "does not extend the trusted checkpoint" in report.reason
