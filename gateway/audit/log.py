@@ -434,7 +434,10 @@ class AuditLog:
                 connection, [("checkpoint", "specgate", payload)], self._mac, self._lock_timeout_s
             )
         self._state = SignedState(note, state.head_hash, state.frontier)
-        save_state(self._state_path, self._state)
+        try:
+            save_state(self._state_path, self._state)
+        except OSError as error:  # kept in memory; after a restart an older state is checked
+            log.error("checkpoint_state_not_saved", path=str(self._state_path), error=str(error))
         return payload
 
     def _extend(self, connection: sa.Connection, state: SignedState, size: int) -> SignedState:

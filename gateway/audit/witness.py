@@ -101,7 +101,12 @@ def witness_once(url: str, auditor_key: str, state: Path, name: str) -> WitnessR
     except NoteError as exc:
         raise WitnessAlarm("bad_signature", f"the latest checkpoint is not signed: {exc}") from None
     remembered = state / "checkpoint"
-    old = verify_checkpoint(remembered.read_text("utf-8"), log_key) if remembered.exists() else None
+    old = None
+    if remembered.exists():
+        try:
+            old = verify_checkpoint(remembered.read_text("utf-8"), log_key)
+        except NoteError as exc:
+            raise WitnessUnavailable(f"{remembered} is damaged: {exc}") from None
     if old is not None:
         _check_extends(client, old, new)
     cosigned = add_cosignature(note, name, witness_key, int(time.time()))
