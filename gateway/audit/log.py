@@ -42,7 +42,7 @@ from gateway.audit.merkle import (
     perfect_pieces,
     range_hash,
 )
-from gateway.audit.note import NoteError, cosignature_time, verify_checkpoint
+from gateway.audit.note import NoteError, cosignature_time, parse_checkpoint, verify_checkpoint
 from gateway.audit.records import (
     EXPORT_FORMATS,
     CheckpointRecord,
@@ -658,10 +658,9 @@ class AuditLog:
         """The event, the latest checkpoint covering it and the inclusion proof against it:
         what ``specgate audit verify-receipt`` checks offline."""
         note = self.latest_checkpoint()
-        size = int(note.split("\n", 2)[1])
-        if size <= record.leaf_index:
+        if parse_checkpoint(note).size <= record.leaf_index:  # not yet in a checkpoint
             note = str(self.checkpoint()["note"])
-            size = int(note.split("\n", 2)[1])
+        size = parse_checkpoint(note).size
         return {
             "event": {k: v for k, v in record.__dict__.items()},
             "leaf_index": record.leaf_index,
