@@ -19,10 +19,8 @@ def bench(
     ] = None,
     prompts: Annotated[
         Path | None,
-        typer.Option(
-            help="JSON lines of {'prompt': ...} or {'messages': [...]} requests; "
-            "replaces the built-in code and quoting sets."
-        ),
+        typer.Option(help="JSON lines of {'prompt': ...} or {'messages': [...]} requests; "
+                     "replaces the built-in code and quoting sets."),
     ] = None,
     out: Annotated[Path, typer.Option(help="Where bench.json, bench.md, bench.png go.")] = (
         DEFAULT_OUT
@@ -52,8 +50,7 @@ def bench(
     if not target.is_dir():
         raise typer.BadParameter(
             f"{target} is not a model directory; build the demo pair with "
-            "`specgate models build-demo` or pass --target",
-            param_hint="--target",
+            "`specgate models build-demo` or pass --target", param_hint="--target"
         )
     setup = BenchSetup(target=target, draft=draft, repeats=repeats, fixed_k=k)
     engine = load_engine(setup)

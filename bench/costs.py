@@ -61,10 +61,7 @@ def _median_pass_ms(runner: ModelRunner, tokens: list[int], repeats: int) -> flo
 
 
 def measure_pass_costs(
-    target: PreTrainedModel,
-    draft: PreTrainedModel | None,
-    context: list[int],
-    k: int,
+    target: PreTrainedModel, draft: PreTrainedModel | None, context: list[int], k: int,
     repeats: int = 25,
 ) -> PassCosts:
     """Median time of a KV-cached pass after ``context``: target with 1 and k + 1 new tokens,

@@ -72,7 +72,9 @@ def _round(value: float | None) -> float | None:
 RunTable = dict[tuple[str, str, Variant], list[Run]]
 
 
-def summarise(runs: RunTable, variants: list[Variant], costs: PassCosts) -> list[Row]:
+def summarise(
+    runs: RunTable, variants: list[Variant], costs: PassCosts
+) -> list[Row]:
     """One row per workload and variant, plus all workloads combined when there are several."""
     baseline = Variant("specgate", "none", None)
     workloads = sorted({workload for workload, _, _ in runs})
@@ -80,24 +82,20 @@ def summarise(runs: RunTable, variants: list[Variant], costs: PassCosts) -> list
         workloads.append(ALL_WORKLOADS)
     rows: list[Row] = []
     for workload in workloads:
-        keys = sorted((w, p) for w, p, _ in runs if workload in (w, ALL_WORKLOADS))
-        keys = list(dict.fromkeys(keys))
-        base_seconds = sum(
-            statistics.median(r.seconds for r in runs[(w, p, baseline)]) for w, p in keys
+        keys = sorted(
+            (w, p) for w, p, _ in runs if workload in (w, ALL_WORKLOADS)
         )
+        keys = list(dict.fromkeys(keys))
+        base_seconds = sum(statistics.median(r.seconds for r in runs[(w, p, baseline)])
+                           for w, p in keys)
         for variant in variants:
             rows.append(_row(workload, variant, keys, runs, base_seconds, baseline, costs))
     return rows
 
 
 def _row(
-    workload: str,
-    variant: Variant,
-    keys: list[tuple[str, str]],
-    runs: RunTable,
-    base_seconds: float,
-    baseline: Variant,
-    costs: PassCosts,
+    workload: str, variant: Variant, keys: list[tuple[str, str]], runs: RunTable,
+    base_seconds: float, baseline: Variant, costs: PassCosts,
 ) -> Row:
     chosen = [runs[(w, p, variant)] for w, p in keys]
     seconds = sum(statistics.median(r.seconds for r in repeats) for repeats in chosen)
@@ -116,9 +114,7 @@ def _row(
     cost_ratio = costs.draft_cost_ratio if variant.method == "draft" else 0.0
     theoretical = (
         theoretical_speedup(alpha, mean_k, cost_ratio)
-        if alpha is not None
-        and mean_k is not None
-        and cost_ratio is not None
+        if alpha is not None and mean_k is not None and cost_ratio is not None
         and variant.backend == "specgate"
         else None
     )
@@ -139,11 +135,8 @@ def _row(
 def recommend(rows: list[Row], workload: str) -> str:
     """The Specgate variant with the best measured speedup, or plain decoding."""
     candidates = [
-        r
-        for r in rows
-        if r.workload == workload
-        and r.variant.backend == "specgate"
-        and r.variant.method != "none"
+        r for r in rows
+        if r.workload == workload and r.variant.backend == "specgate" and r.variant.method != "none"
         and r.same_tokens_as_plain
     ]
     best = max(candidates, key=lambda r: r.speedup, default=None)
@@ -216,10 +209,7 @@ def chart(rows: list[Row], path: Path) -> None:
 
 
 def write_outputs(
-    out: Path,
-    rows: list[Row],
-    header: dict[str, object],
-    costs: PassCosts,
+    out: Path, rows: list[Row], header: dict[str, object], costs: PassCosts,
     runs: RunTable,
 ) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
@@ -232,12 +222,8 @@ def write_outputs(
         "recommendations": {w: recommend(rows, w) for w in workloads},
         "runs": [
             {
-                "workload": w,
-                "prompt": p,
-                "variant": v.label,
-                "repeat": i,
-                "seconds": round(run.seconds, 5),
-                "tokens": len(run.token_ids),
+                "workload": w, "prompt": p, "variant": v.label, "repeat": i,
+                "seconds": round(run.seconds, 5), "tokens": len(run.token_ids),
                 "stats": run.stats.as_dict() if run.stats else None,
             }
             for (w, p, v), repeats in runs.items()

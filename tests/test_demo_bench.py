@@ -22,9 +22,8 @@ NONE = Variant("specgate", "none", None)
 NGRAM = Variant("specgate", "ngram", 4)
 DRAFT = Variant("specgate", "draft", None)
 HF_PLAIN = Variant("hf", "none", None)
-COSTS = PassCosts(
-    context_tokens=8, target_one_ms=10.0, target_verify_ms=11.0, verify_tokens=5, draft_one_ms=1.0
-)
+COSTS = PassCosts(context_tokens=8, target_one_ms=10.0, target_verify_ms=11.0, verify_tokens=5,
+                  draft_one_ms=1.0)
 
 
 def test_theoretical_speedup_known_values() -> None:
@@ -33,7 +32,9 @@ def test_theoretical_speedup_known_values() -> None:
     assert theoretical_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
 
 
-@given(st.floats(0.0, 0.99), st.floats(0.0, 0.99), st.integers(1, 16), st.floats(0.0, 1.0))
+@given(
+    st.floats(0.0, 0.99), st.floats(0.0, 0.99), st.integers(1, 16), st.floats(0.0, 1.0)
+)
 def test_theoretical_speedup_grows_with_acceptance_and_stays_bounded(
     a: float, b: float, k: int, c: float
 ) -> None:
@@ -54,11 +55,9 @@ def _stats(method: Method, drafts: int, drafted: int, accepted: int) -> Generati
 def _table() -> RunTable:
     plain = (1, 2, 3, 4)
     return {
-        ("code", "p1", NONE): [
-            Run(plain, 4.0, _stats("none", 0, 0, 0)),
-            Run(plain, 2.0, _stats("none", 0, 0, 0)),
-            Run(plain, 3.0, _stats("none", 0, 0, 0)),
-        ],
+        ("code", "p1", NONE): [Run(plain, 4.0, _stats("none", 0, 0, 0)),
+                               Run(plain, 2.0, _stats("none", 0, 0, 0)),
+                               Run(plain, 3.0, _stats("none", 0, 0, 0))],
         ("code", "p1", NGRAM): [Run(plain, 1.5, _stats("ngram", 2, 8, 4))] * 3,
         ("code", "p1", DRAFT): [Run(plain, 1.0, _stats("draft", 2, 6, 6))] * 3,
         ("code", "p1", HF_PLAIN): [Run((1, 2, 3, 9), 3.0, None)] * 3,
@@ -94,45 +93,22 @@ def test_bench_command_runs_every_method_on_tiny_models(tmp_path: Path) -> None:
     target, draft = build_pair(tmp_path / "models")
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text(
-        json.dumps({"prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"})
-        + "\n"
-        + json.dumps({"messages": [{"role": "user", "content": "for i in range(10):"}]})
-        + "\n"
+        json.dumps({"prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "for i in range(10):"}]}) + "\n"
     )
     out = tmp_path / "out"
     app = Typer()
     app.command()(bench)
-    result = CliRunner().invoke(
-        app,
-        [
-            "--target",
-            str(target),
-            "--draft",
-            str(draft),
-            "--prompts",
-            str(prompts),
-            "--out",
-            str(out),
-            "--max-tokens",
-            "12",
-            "--repeats",
-            "1",
-            "--k",
-            "3",
-        ],
-    )
+    result = CliRunner().invoke(app, [
+        "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+        "--out", str(out), "--max-tokens", "12", "--repeats", "1", "--k", "3",
+    ])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
     labels = [row["variant"] for row in report["rows"]]
     assert labels == [
-        "none",
-        "ngram k=auto",
-        "ngram k=3",
-        "draft k=auto",
-        "draft k=3",
-        "HF plain",
-        "HF prompt lookup",
-        "HF assisted",
+        "none", "ngram k=auto", "ngram k=3", "draft k=auto", "draft k=3",
+        "HF plain", "HF prompt lookup", "HF assisted",
     ]
     assert {row["workload"] for row in report["rows"]} == {"mine"}
     assert all(row["same_tokens_as_plain"] for row in report["rows"])

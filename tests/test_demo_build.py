@@ -78,20 +78,12 @@ def test_manifest_records_sizes_steps_losses_and_times(built: Path) -> None:
     assert len(target["train_loss_every_10_steps"]) == QUICK.target_schedule.steps // 10
     assert len(draft["distillation_kl_every_10_steps"]) == QUICK.draft_schedule.steps // 10
     assert 0.0 <= manifest["evaluation"]["greedy_agreement"] <= 1.0
-    for measure in (
-        "target_quoting_accuracy",
-        "target_quote_exact_prefix",
-        "target_quote_similarity",
-    ):
+    for measure in ("target_quoting_accuracy", "target_quote_exact_prefix",
+                    "target_quote_similarity"):
         assert 0.0 <= manifest["evaluation"][measure] <= 1.0
     assert manifest["corpus"]["quoting_chats"] > 0
     assert set(manifest["seconds"]) == {
-        "corpus",
-        "tokenizer",
-        "target_training",
-        "draft_distillation",
-        "evaluation",
-        "save",
+        "corpus", "tokenizer", "target_training", "draft_distillation", "evaluation", "save",
         "total",
     }
     assert manifest["corpus"]["train_files"] + len(manifest["corpus"]["held_out_files"]) == (

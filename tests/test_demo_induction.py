@@ -17,14 +17,9 @@ VOCAB = 4096
 def untrained(layers: int = 2, hidden: int = 192, vocab: int = VOCAB) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
     )
     config._attn_implementation = "eager"

@@ -47,14 +47,8 @@ def test_growth_keeps_the_prefix_and_doubles_the_room() -> None:
 
 
 def test_only_plain_full_attention_layers_are_replaced() -> None:
-    config = LlamaConfig(
-        num_hidden_layers=3,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=50,
-    )
+    config = LlamaConfig(num_hidden_layers=3, hidden_size=32, intermediate_size=64,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=50)
     assert all(type(layer) is GrowableLayer for layer in new_cache(config).layers)
     config.layer_types = ["full_attention", "sliding_attention", "full_attention"]
     config.sliding_window = 8
@@ -64,15 +58,9 @@ def test_only_plain_full_attention_layers_are_replaced() -> None:
 
 def _model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=97,
-        attn_implementation="sdpa",
-    )
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                         attn_implementation="sdpa")
     return LlamaForCausalLM(config).eval()
 
 
@@ -95,6 +83,5 @@ def test_grouped_attention_and_growable_cache_give_transformers_logits() -> None
     torch.testing.assert_close(
         ours(input_ids=ids, cache=our_cache).logits,
         reference(input_ids=ids, cache=ref_cache).logits,
-        rtol=1e-5,
-        atol=1e-5,
+        rtol=1e-5, atol=1e-5,
     )
