@@ -134,17 +134,24 @@ def verify_checkpoint(
     checkpoint = parse_checkpoint(text)
     if origin is not None and checkpoint.origin != origin:
         raise NoteError(f"checkpoint is for log {checkpoint.origin!r}, not {origin!r}")
+    verify_note(text, checkpoint.origin, public_key)
+    return checkpoint
+
+
+def verify_note(text: str, name: str, public_key: Ed25519PublicKey) -> str:
+    """The body of a signed note once its Ed25519 signature by key ``name`` verifies;
+    signatures by other keys are ignored, as C2SP signed-note requires."""
     body, signatures = _split(text)
-    expected = key_hash(checkpoint.origin, public_key)
-    for name, value in signatures:
-        if name != checkpoint.origin or value[:4] != expected:
+    expected = key_hash(name, public_key)
+    for signer, value in signatures:
+        if signer != name or value[:4] != expected:
             continue
         try:
             public_key.verify(value[4:], body.encode("utf-8"))
         except InvalidSignature:
-            raise NoteError("checkpoint signature does not verify with the given key") from None
-        return checkpoint
-    raise NoteError("checkpoint carries no signature by the given key")
+            raise NoteError("note signature does not verify with the given key") from None
+        return body
+    raise NoteError("note carries no signature by the given key")
 
 
 def _cosigned_message(body: str, timestamp: int) -> bytes:
