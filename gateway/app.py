@@ -16,8 +16,9 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from engine.service import Engine
-from gateway.audit.log import AuditLog, AuditUnavailableError
-from gateway.audit.signing import CheckpointSigner
+from gateway.audit.log import AuditLog, AuditUnavailableError, WitnessPolicy
+from gateway.audit.mac import EventMac
+from gateway.audit.signing import CheckpointSigner, load_public_key
 from gateway.body_limit import BodySizeLimitMiddleware
 from gateway.db import make_db_engine, normalise_url, upgrade_database
 from gateway.dependencies import Services
@@ -51,14 +52,32 @@ def _bootstrap_admin(settings: Settings, keys: KeyStore) -> None:
         ) from error
 
 
+def _witness_policy(settings: Settings) -> WitnessPolicy | None:
+    if settings.witness_public_key_path is None:
+        return None
+    try:
+        key = load_public_key(settings.witness_public_key_path.read_bytes())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"witness_public_key_path: {error}") from None
+    return WitnessPolicy(key, settings.witness_name, settings.witness_max_age_s)
+
+
 def start_services(settings: Settings, telemetry: Telemetry) -> Services:
     """Migrate, open the audit log, load the models and record the `startup` event."""
     url = normalise_url(settings.database_url)
     if settings.migrate or url.startswith("sqlite"):
         upgrade_database(url)
     db = make_db_engine(url)
-    signer = CheckpointSigner.load_or_create(settings.signing_key_path)
-    audit_log = ObservedAuditLog(db, signer, telemetry)
+    signer = CheckpointSigner.load_or_create(settings.signing_key_path, settings.audit_origin)
+    audit_log = ObservedAuditLog(
+        db,
+        signer,
+        telemetry,
+        mac=EventMac.load_or_create(settings.audit_mac_key_path),
+        state_path=settings.audit_state_path,
+        lock_timeout_s=settings.audit_lock_timeout_s,
+        witness=_witness_policy(settings),
+    )
     keys = KeyStore(db, audit_log)
     engine = Engine.load(
         engine_config(settings),

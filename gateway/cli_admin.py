@@ -55,8 +55,10 @@ def _key_store(database_url: str | None) -> Iterator[KeyStore]:
     import sqlalchemy as sa
 
     from gateway.audit.log import AuditLog, AuditUnavailableError
+    from gateway.audit.mac import EventMac
     from gateway.db import is_sqlite, make_db_engine, upgrade_database
     from gateway.keys import KeyStore
+    from gateway.settings import load_settings
 
     url = _resolve_url(database_url)
     db = make_db_engine(url)
@@ -64,7 +66,11 @@ def _key_store(database_url: str | None) -> Iterator[KeyStore]:
         if is_sqlite(db):
             # The embedded store migrates itself, as `specgate serve` does.
             upgrade_database(url)
-        yield KeyStore(db, AuditLog(db))
+        # Key events carry the gateway's MAC when its key file is readable here.
+        mac_path = load_settings().audit_mac_key_path
+        yield KeyStore(
+            db, AuditLog(db, mac=EventMac.from_file(mac_path) if mac_path.exists() else None)
+        )
     except (sa.exc.SQLAlchemyError, AuditUnavailableError) as error:
         cause = error.__cause__ or error
         detail = str(getattr(cause, "orig", None) or cause).splitlines()[0]
@@ -146,15 +152,41 @@ def audit_verify(
         Path,
         typer.Option(exists=True, dir_okay=False, help="The gateway's public key (PEM)."),
     ],
+    trusted_checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True,
+            dir_okay=False,
+            help="A checkpoint you hold already (from GET /v1/audit/checkpoint, a witness, or "
+            "an earlier export): the export's tree must extend it.",
+        ),
+    ] = None,
+    mac_key: Annotated[
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="The audit MAC key: check every event."),
+    ] = None,
 ) -> None:
-    """Check an export offline: hashes, chain, sequence and the checkpoint signature. Exits 1
-    and names the first bad event when anything was changed, removed or reordered."""
-    from gateway.audit.verify import verify_export
+    """Check an export offline: hashes, chain, sequence, MACs, every signed checkpoint in it
+    and consistency with a trusted checkpoint. Exits 1 and names the first bad event when
+    anything was changed, added, removed or reordered."""
+    from gateway.audit.mac import EventMac, MacKeyError
+    from gateway.audit.note import NoteError
+    from gateway.audit.verify import trusted_checkpoint_text, verify_export
 
+    try:
+        mac = EventMac.from_file(mac_key) if mac_key else None
+        trusted = (
+            trusted_checkpoint_text(trusted_checkpoint.read_text("utf-8", errors="replace"))
+            if trusted_checkpoint
+            else None
+        )
+    except (MacKeyError, NoteError) as exc:
+        typer.echo(f"FAILED: {exc}", err=True)
+        raise typer.Exit(1) from None
     with export.open("rb") as handle:
         # Undecodable bytes become U+FFFD, which no hash will match.
         lines = (line.decode("utf-8", errors="replace") for line in handle)
-        report = verify_export(lines, public_key.read_bytes())
+        report = verify_export(lines, public_key.read_bytes(), mac=mac, trusted_checkpoint=trusted)
     if report.ok:
         typer.echo(f"OK: {report.events_checked} events verified. {report.reason}")
         return
@@ -163,3 +195,65 @@ def audit_verify(
         f"FAILED at {where} after {report.events_checked} good events: {report.reason}", err=True
     )
     raise typer.Exit(1)
+
+
+@audit_app.command("verify-receipt")
+def audit_verify_receipt(
+    receipt: Annotated[
+        Path,
+        typer.Argument(
+            exists=True, dir_okay=False, help="A receipt from GET /v1/audit/proof/{event_id}."
+        ),
+    ],
+    public_key: Annotated[
+        Path,
+        typer.Option(exists=True, dir_okay=False, help="The gateway's public key (PEM)."),
+    ],
+    leaf_hash: Annotated[
+        str | None,
+        typer.Option(help="The x-specgate-audit-leaf-hash header the response carried."),
+    ] = None,
+) -> None:
+    """Check offline that a request's audit event is in a tree the gateway signed."""
+    import json
+
+    from gateway.audit.receipt import ReceiptError, verify_receipt
+    from gateway.audit.signing import PublicKeyError
+
+    try:
+        statement = verify_receipt(
+            json.loads(receipt.read_text("utf-8")), public_key.read_bytes(), leaf_hash
+        )
+    except (ReceiptError, PublicKeyError, ValueError) as exc:
+        typer.echo(f"FAILED: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"OK: {statement}")
+
+
+@audit_app.command("witness")
+def audit_witness(
+    url: Annotated[str, typer.Option(help="The gateway's base URL.")],
+    key: Annotated[str, typer.Option(envvar="SPECGATE_AUDITOR_KEY", help="An auditor key.")],
+    state: Annotated[
+        Path, typer.Option(file_okay=False, help="The witness's own directory (keys, state).")
+    ],
+    name: Annotated[str, typer.Option(help="The witness key's name.")] = "specgate-witness",
+) -> None:
+    """Check the latest checkpoint extends the one this witness cosigned last, then cosign
+    and store it and hand the cosignature to the gateway. Exits 1 naming a truncation, fork
+    or rewrite; 2 when the gateway cannot be asked."""
+    from gateway.audit.witness import WitnessAlarm, WitnessUnavailable, witness_once
+
+    try:
+        result = witness_once(url, key, state, name)
+    except WitnessAlarm as alarm:
+        typer.echo(f"ALARM ({alarm.kind}): {alarm}", err=True)
+        raise typer.Exit(1) from None
+    except WitnessUnavailable as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    since = "first checkpoint" if result.old_size is None else f"from {result.old_size}"
+    typer.echo(
+        f"OK: cosigned {result.checkpoint.origin} at size {result.checkpoint.size} ({since}); "
+        f"gateway: {result.delivered}"
+    )

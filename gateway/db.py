@@ -62,7 +62,7 @@ def _manage_sqlite_transactions(engine: sa.Engine) -> None:
 
 def write_connection(db: sa.Engine) -> sa.Connection:
     """A connection whose transactions hold the database's write lock from the start on SQLite
-    (on PostgreSQL, writers serialise with an advisory lock instead)."""
+    (on PostgreSQL, writers serialise on the audit_head row lock instead)."""
     return db.connect().execution_options(**{SQLITE_IMMEDIATE: True})
 
 

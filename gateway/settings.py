@@ -21,6 +21,8 @@ from pydantic_settings import (
 
 from engine.config import DType, EngineConfig, SpeculativeConfig, speculative_config_from_vllm
 from engine.types import Method
+from gateway.audit.log import APPEND_LOCK_TIMEOUT_S
+from gateway.audit.signing import DEFAULT_ORIGIN
 
 
 class ConfigError(ValueError):
@@ -126,6 +128,32 @@ class Settings(BaseSettings):
     translate_draft_tokens: bool = Field(
         default=False,
         description="Accept a draft with another tokenizer (its text re-tokenized for the target).",
+    )
+
+    audit_mac_key_path: Path = Field(
+        default_factory=lambda data: (
+            Path(data.get("data_dir", _default_data_dir())) / "audit-mac-key"
+        ),
+        description="HMAC key for every audit event (shared by replicas; never in the DB).",
+    )
+    audit_state_path: Path = Field(
+        default_factory=lambda data: (
+            Path(data.get("data_dir", _default_data_dir())) / "audit-checkpoint-state.json"
+        ),
+        description="Where the last checkpoint this gateway signed is kept, outside the DB.",
+    )
+    audit_lock_timeout_s: float = Field(
+        default=APPEND_LOCK_TIMEOUT_S, gt=0, description="Longest wait for the append lock."
+    )
+    audit_origin: str = Field(
+        default=DEFAULT_ORIGIN, description="The log's name in its signed checkpoints."
+    )
+    witness_public_key_path: Path | None = Field(
+        default=None, description="PEM of the witness whose cosignatures /readyz may require."
+    )
+    witness_name: str = Field(default="specgate-witness", description="The witness key's name.")
+    witness_max_age_s: float | None = Field(
+        default=None, gt=0, description="/readyz fails without a cosignature this fresh."
     )
 
     @field_validator("speculative_config")

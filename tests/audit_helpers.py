@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-import typer
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
 
+import typer
+import uvicorn
+from fastapi import FastAPI
+
+from gateway.audit.log import AuditLog
 from gateway.cli_admin import audit_app, db_app, keys_app
+from gateway.errors import install_error_handlers
+from gateway.keys import KeyStore
+from gateway.routes import audit as audit_routes
 
 
 def admin_cli() -> typer.Typer:
@@ -13,4 +26,35 @@ def admin_cli() -> typer.Typer:
     app.add_typer(db_app, name="db")
     app.add_typer(keys_app, name="keys")
     app.add_typer(audit_app, name="audit")
+    return app
+
+
+@contextmanager
+def serve(app: FastAPI) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free loopback port until the block ends; yields its URL."""
+    listener = socket.socket()
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def audit_only_app(audit: AuditLog, keys: KeyStore) -> FastAPI:
+    """The real audit routes (and error handlers) over ``audit``, without the engine."""
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(audit_routes.router)
+    app.state.services = SimpleNamespace(audit=audit, keys=keys)
     return app

@@ -677,7 +677,11 @@ def test_unreachable_database_is_503_and_service_resumes(gateway: LiveGateway) -
         assert_error(post(gateway, "/v1/chat/completions", CHAT), 503, code="audit_unavailable")
         ready = httpx.get(gateway.base_url + "/readyz")
         assert ready.status_code == 503
-        assert ready.json()["checks"] == {"engine": True, "audit_store": False}
+        assert ready.json()["checks"] == {
+            "engine": True,
+            "audit_store": False,
+            "audit_integrity": True,
+        }
         assert httpx.get(gateway.base_url + "/healthz").status_code == 200
     finally:
         pg_admin(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(database))

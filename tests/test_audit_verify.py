@@ -18,13 +18,15 @@ from hypothesis import strategies as st
 
 from gateway.audit.canonical import GENESIS_HASH, event_hash, format_timestamp
 from gateway.audit.log import AuditLog
+from gateway.audit.mac import EventMac
+from gateway.audit.merkle import CompactRange, leaf_hash
 from gateway.audit.records import (
+    CheckpointRecord,
     EventRecord,
     ExportFormat,
+    TreeRecord,
     csv_header,
-    encode_checkpoint,
-    encode_event,
-    export_checkpoint_statement,
+    encode_record,
 )
 from gateway.audit.signing import CheckpointSigner
 from gateway.audit.verify import verify_export
@@ -32,6 +34,7 @@ from gateway.db import make_db_engine, upgrade_database
 
 SIGNER = CheckpointSigner(Ed25519PrivateKey.generate())
 PUBLIC_PEM = SIGNER.public_key_pem()
+MAC = EventMac(b"m" * 32)
 START = datetime(2026, 1, 1, tzinfo=UTC)
 
 json_values = st.recursive(
@@ -54,7 +57,12 @@ def build_export(
     first_seq: int = 1,
     prev_hash: str = GENESIS_HASH,
 ) -> list[str]:
-    """An export as the gateway writes it, built without a database."""
+    """An export as the gateway writes it, built without a database: the leaves before
+    ``first_seq`` are made up, the checkpoint covers up to the last event."""
+    frontier = CompactRange()
+    for i in range(first_seq - 1):
+        frontier.append(leaf_hash(f"earlier {i}".encode()))
+    tree = TreeRecord(start=first_seq - 1, left=tuple(frontier.hashes), right=())
     records = []
     for offset, payload in enumerate(payload_list):
         fields: dict[str, Any] = {
@@ -67,29 +75,27 @@ def build_export(
             "prev_hash": prev_hash,
         }
         prev_hash = event_hash(**fields)
-        records.append(EventRecord(**fields, event_hash=prev_hash))
-    statement = export_checkpoint_statement(
-        records[0] if records else None,
-        records[-1] if records else None,
-        len(records),
-        None,
-        None,
-        format_timestamp(START + timedelta(hours=1)),
-    )
+        record = EventRecord(**fields, event_hash=prev_hash)
+        record = EventRecord(**{**record.__dict__, "mac": MAC.mac(record.canonical_bytes())})
+        frontier.append(leaf_hash(record.canonical_bytes()))
+        records.append(record)
+    note = SIGNER.sign_checkpoint(frontier.size, frontier.root())
     lines = [csv_header()] if fmt == "csv" else []
-    lines += [encode_event(record, fmt) for record in records]
-    return [*lines, encode_checkpoint(SIGNER.sign(statement), fmt)]
+    lines += [encode_record(tree, fmt)]
+    lines += [encode_record(record, fmt) for record in records]
+    return [*lines, encode_record(CheckpointRecord(note), fmt)]
 
 
 SIX = [{"i": i, "text": f"événement\u001f{i}"} for i in range(6)]
 
 
+@settings(deadline=None)
 @given(st.lists(payloads, min_size=1, max_size=5), st.sampled_from(["jsonl", "csv"]))
 def test_any_payloads_export_and_verify(
     payload_list: list[dict[str, Any]], fmt: ExportFormat
 ) -> None:
     lines = build_export(payload_list, fmt, first_seq=41, prev_hash="ab" * 32)
-    report = verify_export(lines, PUBLIC_PEM)
+    report = verify_export(lines, PUBLIC_PEM, mac=MAC)
     assert (report.ok, report.events_checked, report.first_bad_seq) == (
         True,
         len(payload_list),
@@ -97,6 +103,7 @@ def test_any_payloads_export_and_verify(
     )
 
 
+@settings(deadline=None)
 @given(st.lists(payloads, min_size=2, max_size=4), st.data())
 def test_any_changed_payload_is_named(
     payload_list: list[dict[str, Any]], data: st.DataObject
@@ -104,15 +111,15 @@ def test_any_changed_payload_is_named(
     lines = build_export(payload_list)
     index = data.draw(st.integers(0, len(payload_list) - 1))
     replacement = data.draw(payloads.filter(lambda p: p != payload_list[index]))
-    fields = json.loads(lines[index])
+    fields = json.loads(lines[index + 1])
     del fields["record"]
-    lines[index] = encode_event(EventRecord(**{**fields, "payload": replacement}), "jsonl")
+    lines[index + 1] = encode_record(EventRecord(**{**fields, "payload": replacement}), "jsonl")
     report = verify_export(lines, PUBLIC_PEM)
     assert (report.ok, report.first_bad_seq) == (False, index + 1)
     assert "altered" in report.reason
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(st.sampled_from(["jsonl", "csv"]), st.data())
 def test_every_flipped_bit_is_caught(fmt: ExportFormat, data: st.DataObject) -> None:
     lines = build_export(SIX, fmt)
@@ -121,10 +128,10 @@ def test_every_flipped_bit_is_caught(fmt: ExportFormat, data: st.DataObject) -> 
     position = data.draw(st.integers(0, len(raw) - 1))
     raw[position] ^= 1 << data.draw(st.integers(0, 7))
     lines[index] = raw.decode("utf-8", errors="replace")
-    report = verify_export(lines, PUBLIC_PEM)
+    report = verify_export(lines, PUBLIC_PEM, mac=MAC)
     assert not report.ok
-    seq = index + (0 if fmt == "csv" else 1)
-    if 1 < seq <= len(SIX):
+    seq = index - (1 if fmt == "csv" else 0)  # the tree record is line 0 (after the header)
+    if 1 <= seq <= len(SIX):
         assert report.first_bad_seq == seq
     elif seq == len(SIX) + 1:
         assert report.first_bad_seq in (len(SIX), len(SIX) + 1)
@@ -137,42 +144,44 @@ def test_truncated_exports_are_caught(fmt: ExportFormat) -> None:
     for keep in range(header + 1, len(lines)):
         report = verify_export(lines[:keep], PUBLIC_PEM)
         assert not report.ok
-        assert report.first_bad_seq == keep - header + 1
+        assert report.first_bad_seq == keep - header
         assert "truncated" in report.reason
     text = "".join(lines)
     for cut in range(1, len(text), 37):
         assert not verify_export(text[:cut].splitlines(keepends=True), PUBLIC_PEM).ok
 
 
-def test_dropped_first_events_are_caught_by_the_checkpoint() -> None:
+def test_dropped_first_events_are_caught() -> None:
     lines = build_export(SIX)
-    report = verify_export(lines[2:], PUBLIC_PEM)
+    report = verify_export([lines[0], *lines[3:]], PUBLIC_PEM)
     assert (report.ok, report.first_bad_seq) == (False, 1)
-    assert "events 1..2 are missing" in report.reason
+    assert "expected event 1, found event 3" in report.reason
+    # Dropping the tree record too leaves an export that does not say where it starts.
+    assert not verify_export(lines[3:], PUBLIC_PEM).ok
 
 
 def test_dropped_middle_event_is_named() -> None:
     lines = build_export(SIX)
-    del lines[3]
+    del lines[4]
     report = verify_export(lines, PUBLIC_PEM)
     assert (report.ok, report.first_bad_seq, report.events_checked) == (False, 4, 3)
 
 
 @pytest.mark.parametrize("index", range(len(SIX) - 1))
 def test_swapped_lines_are_named(index: int) -> None:
-    """Named at the first position where the order breaks: for the first two lines that is the
-    third event, since nothing before the checkpoint says where the export starts."""
+    """Named at the first position where the order breaks (the tree record says where the
+    export starts)."""
     lines = build_export(SIX)
-    lines[index], lines[index + 1] = lines[index + 1], lines[index]
+    lines[index + 1], lines[index + 2] = lines[index + 2], lines[index + 1]
     report = verify_export(lines, PUBLIC_PEM)
-    assert (report.ok, report.first_bad_seq) == (False, index + 1 if index else 3)
+    assert (report.ok, report.first_bad_seq) == (False, index + 1)
     assert "reordered" in report.reason
 
 
 def test_duplicated_line_and_data_after_checkpoint_are_caught() -> None:
     lines = build_export(SIX)
-    assert verify_export([*lines[:3], lines[2], *lines[3:]], PUBLIC_PEM).first_bad_seq == 4
-    report = verify_export([*lines, lines[0]], PUBLIC_PEM)
+    assert verify_export([*lines[:4], lines[3], *lines[4:]], PUBLIC_PEM).first_bad_seq == 4
+    report = verify_export([*lines, lines[1]], PUBLIC_PEM)
     assert not report.ok
     assert "after the checkpoint" in report.reason
 
@@ -184,7 +193,7 @@ def test_other_key_and_non_canonical_lines_are_caught() -> None:
     assert (report.ok, report.first_bad_seq) == (False, len(SIX))
     assert "signature" in report.reason
     spaced = [*lines]
-    spaced[2] = spaced[2].replace('"kind":', '"kind": ')
+    spaced[3] = spaced[3].replace('"kind":', '"kind": ')
     report = verify_export(spaced, PUBLIC_PEM)
     assert (report.ok, report.first_bad_seq) == (False, 3)
     assert "canonical" in report.reason
@@ -202,7 +211,7 @@ def log(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[AuditLog]:
         url = f"sqlite:///{tmp_path / 'audit.db'}"
         upgrade_database(url)
     db: sa.Engine = make_db_engine(url)
-    yield AuditLog(db, SIGNER)
+    yield AuditLog(db, SIGNER, MAC)
     db.dispose()
 
 
@@ -215,6 +224,6 @@ def test_any_payload_survives_storage(log: AuditLog, payload: dict[str, Any]) ->
     since = datetime.now(UTC)
     appended = log.append("request", "a", payload)
     lines = list(log.export(since, None, "jsonl"))
-    report = verify_export(lines, PUBLIC_PEM)
+    report = verify_export(lines, PUBLIC_PEM, mac=MAC)
     assert report.ok, report.reason
-    assert json.loads(lines[0])["event_hash"] == appended.event_hash
+    assert json.loads(lines[1])["event_hash"] == appended.event_hash

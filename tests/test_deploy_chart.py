@@ -608,3 +608,33 @@ def test_schema_rejects_misspelt_keys_and_unsafe_values(
 def test_install_refuses_values_the_schema_rejects(chart: helm.Chart) -> None:
     with pytest.raises(helm.HelmError, match="replicas"):
         chart.render({"replicas": 2}, name=RELEASE, namespace=NAMESPACE)
+
+
+# --- database roles and the audit MAC key (issue 12) ------------------------------------------
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_migrations_run_as_the_owner_and_the_gateway_as_the_writer(
+    manifests: dict[str, list[Manifest]], value_set: str
+) -> None:
+    docs = manifests[value_set]
+    job = find(docs, "Job", f"{FULLNAME}-db-upgrade")["spec"]["template"]["spec"]
+    (migrate,) = job["containers"]
+    job_env, gateway_env = env_of(migrate), env_of(container(docs))
+    assert job_env["SPECGATE_DB_WRITER_ROLE"]["value"] == "specgate_writer"
+    if "PGPASSWORD" in gateway_env:
+        assert job_env["PGPASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == (
+            "specgate-database-owner"
+        )
+        assert "specgate_owner@" in job_env["SPECGATE_DATABASE_URL"]["value"]
+        assert gateway_env["PGPASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == (
+            "specgate-database"
+        )
+        assert "specgate_owner" not in gateway_env["SPECGATE_DATABASE_URL"]["value"]
+    assert "SPECGATE_DB_WRITER_ROLE" not in gateway_env
+    assert gateway_env["SPECGATE_AUDIT_MAC_KEY_PATH"]["value"] == (
+        "/var/run/secrets/specgate/audit-mac/mac-key"
+    )
+    spec = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]
+    (volume,) = (v for v in spec["volumes"] if v["name"] == "audit-mac-key")
+    assert volume["secret"]["secretName"] == "specgate-audit-mac-key"

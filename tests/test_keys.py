@@ -26,7 +26,8 @@ def audit(db: sa.Engine, tmp_path: Path) -> AuditLog:
 
 def _key_events(audit: AuditLog) -> list[tuple[str | None, dict[str, str]]]:
     lines = list(audit.export(None, None, "jsonl"))[:-1]
-    return [(e["actor"], e["payload"]) for e in map(json.loads, lines) if e["kind"] == "key"]
+    records = map(json.loads, lines)
+    return [(e["actor"], e["payload"]) for e in records if e.get("kind") == "key"]
 
 
 def test_create_authenticate_revoke_with_audit_trail(db: sa.Engine, audit: AuditLog) -> None:
@@ -120,8 +121,8 @@ def test_db_upgrade_cli_creates_schema_from_any_directory(
         tables = set(sa.inspect(connection).get_table_names())
         version = connection.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
     engine.dispose()
-    assert {"audit_events", "api_keys"} <= tables
-    assert version == "0001"
+    assert {"audit_events", "api_keys", "audit_merkle_nodes", "audit_head"} <= tables
+    assert version == "0002"
 
 
 def test_cli_on_a_fresh_laptop_migrates_sqlite_and_names_missing_postgres_migrations(

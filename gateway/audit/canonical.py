@@ -8,6 +8,9 @@ An event's hash is the SHA-256 (lower-case hex) of the canonical JSON of the obj
 ``{"seq", "event_id", "created_at", "kind", "actor", "payload", "prev_hash"}``, where
 ``created_at`` is the UTC time in ISO 8601 with microseconds (``2026-01-31T12:00:00.000000+00:00``)
 and ``prev_hash`` is the previous event's hash (64 zeros for the first event).
+
+The same bytes are the event's Merkle leaf (``merkle.leaf_hash``, RFC 9162) and what its MAC
+(``mac.EventMac``) authenticates.
 """
 
 from __future__ import annotations
@@ -45,6 +48,30 @@ def format_timestamp(moment: datetime) -> str:
     return moment.astimezone(UTC).isoformat(timespec="microseconds")
 
 
+def event_bytes(
+    *,
+    seq: int,
+    event_id: str,
+    created_at: str,
+    kind: str,
+    actor: str | None,
+    payload: dict[str, Any],
+    prev_hash: str,
+) -> bytes:
+    """The canonical bytes of an event: what its chain hash, its Merkle leaf hash and its MAC
+    are computed over."""
+    body = {
+        "seq": seq,
+        "event_id": event_id,
+        "created_at": created_at,
+        "kind": kind,
+        "actor": actor,
+        "payload": payload,
+        "prev_hash": prev_hash,
+    }
+    return canonical_json(body).encode("utf-8")
+
+
 def event_hash(
     *,
     seq: int,
@@ -55,13 +82,13 @@ def event_hash(
     payload: dict[str, Any],
     prev_hash: str,
 ) -> str:
-    body = {
-        "seq": seq,
-        "event_id": event_id,
-        "created_at": created_at,
-        "kind": kind,
-        "actor": actor,
-        "payload": payload,
-        "prev_hash": prev_hash,
-    }
-    return hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
+    data = event_bytes(
+        seq=seq,
+        event_id=event_id,
+        created_at=created_at,
+        kind=kind,
+        actor=actor,
+        payload=payload,
+        prev_hash=prev_hash,
+    )
+    return hashlib.sha256(data).hexdigest()

@@ -1,43 +1,68 @@
-"""The audit log: appends hash-chained events, signs checkpoints, exports and verifies ranges.
+"""The audit log: appends MAC'd, hash-chained events to a Merkle tree, signs checkpoints over
+its root once it has checked that the database still extends the last one it signed, and
+serves exports and proofs.
 
-Appends are serialised by the database (``pg_advisory_xact_lock`` inside the inserting
-transaction on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite), so any number of writers, in any
-number of processes, extend one chain and never fork it. Within a process, concurrent appends
-are group-committed: whichever caller finds no write in progress becomes the writer and commits
-everything queued so far in one transaction, so one commit (one fsync) serves many events.
+Appends are serialised by the database: a row lock on the single ``audit_head`` row, taken
+with ``SELECT ... FOR UPDATE`` under ``lock_timeout`` (PostgreSQL; it needs UPDATE on that row,
+which only the writer role has), ``BEGIN IMMEDIATE`` on SQLite. So any number of writers, in
+any number of processes, extend one tree and never fork it, and a stuck lock is a 503 in
+bounded time. Within a process, concurrent appends are group-committed: whichever caller finds
+no write in progress becomes the writer and commits everything queued so far in one
+transaction, so one commit (one fsync) serves many events.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.audit.canonical import GENESIS_HASH, event_hash, format_timestamp, normalise_payload
+from gateway.audit.canonical import event_bytes, format_timestamp, normalise_payload
+from gateway.audit.mac import EventMac
+from gateway.audit.merkle import (
+    CompactRange,
+    Node,
+    aligned_pieces,
+    consistency_proof_ranges,
+    inclusion_proof_ranges,
+    leaf_hash,
+    nodes_for,
+    perfect_pieces,
+    range_hash,
+)
+from gateway.audit.note import NoteError, cosignature_time, parse_checkpoint, verify_checkpoint
 from gateway.audit.records import (
     EXPORT_FORMATS,
+    CheckpointRecord,
     EventRecord,
     ExportFormat,
+    TreeRecord,
+    b64,
     csv_header,
-    encode_checkpoint,
-    encode_event,
-    export_checkpoint_statement,
+    encode_record,
 )
-from gateway.audit.schema import audit_events
+from gateway.audit.schema import audit_events, audit_head, audit_merkle_nodes
 from gateway.audit.signing import CheckpointSigner
-from gateway.audit.verify import VerifyReport, verify_export
+from gateway.audit.state import SignedState, load_state, save_state
+from gateway.audit.verify import VerifyReport, event_problem, verify_export
 from gateway.db import write_connection
 
-# Key of the PostgreSQL advisory lock that serialises appends (any constant shared by writers).
-AUDIT_LOCK_KEY = int.from_bytes(b"sgaudit!", "big")
+log = structlog.get_logger(__name__)
+
 MAX_BATCH = 256
+APPEND_LOCK_TIMEOUT_S = 5.0
 _KIND = re.compile(r"[a-z][a-z_]{0,31}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -46,12 +71,27 @@ class AuditUnavailableError(Exception):
     """The audit store could not record or read events; callers must fail closed."""
 
 
+class TamperDetectedError(AuditUnavailableError):
+    """The database no longer extends the history this gateway signed; no checkpoint is
+    signed over it any more."""
+
+    def __init__(self, first_bad_seq: int | None, reason: str) -> None:
+        super().__init__(f"audit log tampering detected at event {first_bad_seq}: {reason}")
+        self.first_bad_seq = first_bad_seq
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class AppendedEvent:
     seq: int
     event_id: str
     event_hash: str
     created_at: datetime
+    leaf_hash: bytes = b""  # RFC 9162 leaf hash; the leaf index is seq - 1
+
+    @property
+    def leaf_index(self) -> int:
+        return self.seq - 1
 
 
 @dataclass
@@ -68,6 +108,16 @@ class _Pending:
     error: BaseException | None = field(default=None, repr=False)
 
 
+@dataclass(frozen=True)
+class WitnessPolicy:
+    """The witness whose cosignatures this gateway accepts, and how fresh the newest one must
+    be for ``integrity_ok`` (None: any age)."""
+
+    public_key: Ed25519PublicKey
+    name: str
+    max_age_s: float | None = None
+
+
 def _checked_event(kind: str, actor: str | None) -> tuple[str, str | None]:
     if not _KIND.fullmatch(kind):
         raise ValueError(f"invalid audit event kind {kind!r}")
@@ -76,20 +126,50 @@ def _checked_event(kind: str, actor: str | None) -> tuple[str, str | None]:
     return kind, actor or None
 
 
+def _frontier(size: int, packed: bytes) -> CompactRange:
+    """The head row's compact range; a malformed one is tampering (a 503, never a 500)."""
+    packed = bytes(packed)
+    try:
+        return CompactRange(size, [packed[i : i + 32] for i in range(0, len(packed), 32)])
+    except ValueError as exc:
+        raise TamperDetectedError(None, f"the head row is malformed: {exc}") from None
+
+
+def lock_head(connection: sa.Connection, lock_timeout_s: float) -> sa.Row[Any]:
+    """Take the append lock (the head row) inside the open transaction; returns the row."""
+    query = sa.select(audit_head).where(audit_head.c.id == 1)
+    if connection.dialect.name == "postgresql":
+        connection.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(lock_timeout_s * 1000)}ms'")
+        query = query.with_for_update()
+    row = connection.execute(query).first()
+    if row is None:
+        raise AuditUnavailableError("audit_head row is missing: run `specgate db upgrade`")
+    return row
+
+
 def insert_events(
-    connection: sa.Connection, events: Sequence[tuple[str, str | None, dict[str, Any]]]
+    connection: sa.Connection,
+    events: Sequence[tuple[str, str | None, dict[str, Any]]],
+    mac: EventMac | None = None,
+    lock_timeout_s: float = APPEND_LOCK_TIMEOUT_S,
 ) -> list[AppendedEvent]:
     """Append ``(kind, actor, normalised payload)`` events inside ``connection``'s open
     transaction (from ``gateway.db.write_connection``); they become visible at its commit."""
-    if connection.dialect.name == "postgresql":
-        connection.execute(sa.select(sa.func.pg_advisory_xact_lock(AUDIT_LOCK_KEY)))
-    head = connection.execute(
-        sa.select(audit_events.c.seq, audit_events.c.event_hash)
-        .order_by(audit_events.c.seq.desc())
-        .limit(1)
-    ).first()
-    seq, prev_hash = (head.seq, head.event_hash) if head else (0, GENESIS_HASH)
+    return _insert(connection, events, mac, lock_timeout_s)[0]
+
+
+def _insert(
+    connection: sa.Connection,
+    events: Sequence[tuple[str, str | None, dict[str, Any]]],
+    mac: EventMac | None,
+    lock_timeout_s: float,
+) -> tuple[list[AppendedEvent], CompactRange]:
+    """``insert_events``, also returning the compact range of the tree after the events."""
+    head = lock_head(connection, lock_timeout_s)
+    frontier = _frontier(head.tree_size, head.frontier)
+    seq, prev_hash = head.tree_size, head.head_hash
     rows: list[dict[str, Any]] = []
+    nodes: list[dict[str, Any]] = []
     appended: list[AppendedEvent] = []
     for kind, actor, payload in events:
         seq += 1
@@ -103,15 +183,32 @@ def insert_events(
             "payload": payload,
             "prev_hash": prev_hash,
         }
-        digest = event_hash(**fields, created_at=format_timestamp(created_at))
-        rows.append({**fields, "created_at": created_at, "event_hash": digest})
-        appended.append(AppendedEvent(seq, event_id, digest, created_at))
+        data = event_bytes(**fields, created_at=format_timestamp(created_at))
+        digest = hashlib.sha256(data).hexdigest()
+        leaf = leaf_hash(data)
+        rows.append(
+            {
+                **fields,
+                "created_at": created_at,
+                "event_hash": digest,
+                "mac": mac.mac(data) if mac else None,
+            }
+        )
+        nodes += [{"level": n[0], "idx": n[1], "hash": h} for n, h in frontier.append(leaf) if n[0]]
+        appended.append(AppendedEvent(seq, event_id, digest, created_at, leaf))
         prev_hash = digest
     connection.execute(sa.insert(audit_events), rows)
-    return appended
+    if nodes:
+        connection.execute(sa.insert(audit_merkle_nodes), nodes)
+    connection.execute(
+        sa.update(audit_head)
+        .where(audit_head.c.id == 1)
+        .values(tree_size=seq, head_hash=prev_hash, frontier=b"".join(frontier.hashes))
+    )
+    return appended, frontier
 
 
-def _record_from_row(row: sa.Row[Any]) -> EventRecord:
+def record_from_row(row: sa.Row[Any]) -> EventRecord:
     return EventRecord(
         seq=row.seq,
         event_id=row.event_id,
@@ -121,7 +218,33 @@ def _record_from_row(row: sa.Row[Any]) -> EventRecord:
         payload=row.payload,
         prev_hash=row.prev_hash,
         event_hash=row.event_hash,
+        mac=row.mac,
     )
+
+
+def read_nodes(connection: sa.Connection, wanted: set[Node]) -> dict[Node, bytes]:
+    """The perfect nodes ``wanted``: interior ones stored, leaves (level 0, not stored)
+    hashed from their events; one query each. Raises if one is missing."""
+    found: dict[Node, bytes] = {}
+    interior = sorted(node for node in wanted if node[0])
+    if interior:
+        key = sa.tuple_(audit_merkle_nodes.c.level, audit_merkle_nodes.c.idx)
+        query = sa.select(
+            audit_merkle_nodes.c.level, audit_merkle_nodes.c.idx, audit_merkle_nodes.c.hash
+        ).where(key.in_(interior))
+        for level, index, digest in connection.execute(query):
+            found[(level, index)] = bytes(digest)
+    leaves = [index + 1 for level, index in wanted if level == 0]
+    if leaves:
+        by_seq: sa.Select[Any] = sa.select(audit_events).where(audit_events.c.seq.in_(leaves))
+        for row in connection.execute(by_seq):
+            found[(0, row.seq - 1)] = leaf_hash(record_from_row(row).canonical_bytes())
+    missing = wanted - found.keys()
+    if missing:
+        raise TamperDetectedError(
+            None, f"Merkle tree nodes missing from the database: {sorted(missing)[:4]}"
+        )
+    return found
 
 
 def _utc(moment: datetime | None) -> datetime | None:
@@ -131,20 +254,48 @@ def _utc(moment: datetime | None) -> datetime | None:
 
 
 class AuditLog:
-    def __init__(self, db: sa.Engine, signer: CheckpointSigner | None = None) -> None:
+    def __init__(
+        self,
+        db: sa.Engine,
+        signer: CheckpointSigner | None = None,
+        mac: EventMac | None = None,
+        state_path: Path | None = None,
+        lock_timeout_s: float = APPEND_LOCK_TIMEOUT_S,
+        witness: WitnessPolicy | None = None,
+    ) -> None:
         """``signer`` may be left out by tools that only append (the key CLI); checkpoints,
-        exports and verification need it."""
+        exports and verification need it. Without ``mac`` events are written unauthenticated
+        (verification with the MAC key reports them). ``state_path`` keeps the last signed
+        checkpoint across restarts; without it, only in memory."""
         self._db = db
         self._signer = signer
+        self._mac = mac
+        self._state_path = Path(state_path).expanduser() if state_path else None
+        self._state = load_state(self._state_path)
+        self._lock_timeout_s = lock_timeout_s
+        self._witness = witness
         self._lock = threading.Lock()
+        self._checkpoint_lock = threading.Lock()
         self._queue: list[_Pending] = []
         self._writing = False
+        self.tamper: TamperDetectedError | None = None
+        # (size, root) after this process's newest committed append: the database must keep
+        # extending it, even before a checkpoint covers it.
+        self._appended: tuple[int, bytes] = (0, b"")
 
     @property
     def signer(self) -> CheckpointSigner:
         if self._signer is None:
             raise RuntimeError("this AuditLog has no signing key")
         return self._signer
+
+    @property
+    def mac(self) -> EventMac | None:
+        return self._mac
+
+    @property
+    def signed_state(self) -> SignedState:
+        return self._state
 
     def append(self, kind: str, actor: str | None, payload: dict[str, Any]) -> AppendedEvent:
         """Record one event and return once it is committed."""
@@ -174,8 +325,18 @@ class AuditLog:
         ``gateway.db.write_connection``), so that it commits or rolls back with the caller's
         own change."""
         kind, actor = _checked_event(kind, actor)
-        (appended,) = insert_events(connection, [(kind, actor, normalise_payload(payload))])
+        (appended,) = insert_events(
+            connection,
+            [(kind, actor, normalise_payload(payload))],
+            self._mac,
+            self._lock_timeout_s,
+        )
         return appended
+
+    def _remember(self, frontier: CompactRange) -> None:
+        with self._lock:
+            if frontier.size > self._appended[0]:
+                self._appended = (frontier.size, frontier.root())
 
     def _lead(self, own: _Pending) -> None:
         """Write queued batches until ``own`` is written, then hand the writer's role to the
@@ -197,7 +358,13 @@ class AuditLog:
         """Commit ``batch`` in one transaction; hand each caller its result or the error."""
         try:
             with write_connection(self._db) as connection, connection.begin():
-                results = insert_events(connection, [(p.kind, p.actor, p.payload) for p in batch])
+                results, frontier = _insert(
+                    connection,
+                    [(p.kind, p.actor, p.payload) for p in batch],
+                    self._mac,
+                    self._lock_timeout_s,
+                )
+            self._remember(frontier)
         except BaseException as exc:  # every waiting caller must wake, whatever happened
             for pending in batch:
                 pending.error = exc
@@ -211,43 +378,305 @@ class AuditLog:
     def ping(self) -> bool:
         try:
             with self._db.connect() as connection:
-                connection.execute(sa.select(audit_events.c.seq).limit(1))
+                connection.execute(sa.select(audit_head.c.tree_size))
         except SQLAlchemyError:
             return False
         return True
 
     def head(self) -> tuple[int, str]:
-        """(seq, event_hash) of the newest event; (0, 64 zeros) while the log is empty."""
+        """(tree size = seq of the newest event, its event_hash); (0, 64 zeros) when empty."""
+        try:
+            with self._db.connect() as connection:
+                row = connection.execute(sa.select(audit_head)).one()
+        except SQLAlchemyError as exc:
+            raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+        return row.tree_size, row.head_hash
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Check that the database extends the last checkpoint this gateway signed, sign one
+        over the current tree and record it as a ``checkpoint`` event (the next leaf, so the
+        event at seq ``size + 1`` carries the checkpoint of ``size``). Returns the event's
+        payload. Raises TamperDetectedError (and raises the alarm) when the check fails."""
+        with self._checkpoint_lock:
+            if self.tamper is not None:
+                raise self.tamper
+            try:
+                return self._checkpoint()
+            except TamperDetectedError as error:
+                self._alarm(error)
+                raise
+            except SQLAlchemyError as exc:
+                raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+
+    def _checkpoint(self) -> dict[str, Any]:
+        signer = self.signer
+        # The bulk of the check runs without the append lock; only the tail under it.
+        with self._db.connect() as connection:
+            size = connection.execute(sa.select(audit_head.c.tree_size)).scalar_one()
+            state = self._extend(connection, self._state, size)
+        with write_connection(self._db) as connection, connection.begin():
+            head = lock_head(connection, self._lock_timeout_s)
+            state = self._extend(connection, state, head.tree_size)
+            if state.frontier.hashes != _frontier(head.tree_size, head.frontier).hashes:
+                raise self._located(connection, "the head row's compact range was changed")
+            size, root = state.frontier.size, state.frontier.root()
+            note = signer.sign_checkpoint(size, root)
+            payload = {
+                "note": note,
+                "size": size,
+                "root": b64(root),
+                "key_fingerprint": signer.fingerprint,
+                "signed_at": format_timestamp(datetime.now(UTC)),
+            }
+            insert_events(
+                connection, [("checkpoint", "specgate", payload)], self._mac, self._lock_timeout_s
+            )
+        self._state = SignedState(note, state.head_hash, state.frontier)
+        try:
+            save_state(self._state_path, self._state)
+        except OSError as error:  # kept in memory; after a restart an older state is checked
+            log.error("checkpoint_state_not_saved", path=str(self._state_path), error=str(error))
+        return payload
+
+    def _extend(self, connection: sa.Connection, state: SignedState, size: int) -> SignedState:
+        """``state`` extended by the events after it up to ``size``, each checked (sequence,
+        chain, hash, MAC); the stored tree must then have the same root."""
+        trusted = state.frontier.size
+        appended_size, appended_root = self._appended
+        known = max(trusted, appended_size)
+        if size < known:
+            raise self._located(
+                connection,
+                f"the log has {size} events but this gateway signed or wrote {known}: "
+                f"events {size + 1}..{known} were deleted (truncation)",
+                size + 1,
+                before=size,
+            )
+        frontier, previous_hash = state.frontier.copy(), state.head_hash
+        query = (
+            sa.select(audit_events)
+            .where(audit_events.c.seq > trusted, audit_events.c.seq <= size)
+            .order_by(audit_events.c.seq)
+        )
+
+        def check_appended() -> None:
+            if 0 < appended_size == frontier.size and frontier.root() != appended_root:
+                raise self._located(
+                    connection,
+                    f"events {trusted + 1}..{appended_size} are not those this gateway wrote",
+                    trusted + 1,
+                    before=trusted,
+                )
+
+        for row in connection.execute(query.execution_options(yield_per=2000)):
+            record = record_from_row(row)
+            expected = frontier.size + 1
+            problem = event_problem(record, expected, previous_hash, self._mac)
+            data = record.canonical_bytes()
+            if problem is not None:
+                raise self._located(connection, problem[1], problem[0], before=trusted)
+            check_appended()
+            frontier.append(leaf_hash(data))
+            previous_hash = record.event_hash
+        check_appended()
+        if frontier.size != size:
+            raise self._located(
+                connection, f"event {frontier.size + 1} is missing", frontier.size + 1, trusted
+            )
+        stored = read_nodes(connection, set(perfect_pieces(0, size)))
+        if range_hash(0, size, stored.__getitem__) != frontier.root():
+            raise self._located(connection, "stored Merkle nodes do not match the events")
+        return SignedState(state.note, previous_hash, frontier)
+
+    def _located(
+        self,
+        connection: sa.Connection,
+        reason: str,
+        seq: int | None = None,
+        before: int | None = None,
+    ) -> TamperDetectedError:
+        """The alarm for ``reason``, naming the first bad event: an earlier one (before the
+        trusted size, found by checking every event's MAC and chain) wins over ``seq``."""
+        limit = before if before is not None else self._state.frontier.size
+        earlier = self._first_bad_event(connection, limit)
+        if earlier is not None and (seq is None or earlier[0] < seq):
+            return TamperDetectedError(*earlier)
+        return TamperDetectedError(seq, reason)
+
+    def _first_bad_event(self, connection: sa.Connection, upto: int) -> tuple[int, str] | None:
+        previous_hash, expected = SignedState.empty().head_hash, 1
+        query = (
+            sa.select(audit_events).where(audit_events.c.seq <= upto).order_by(audit_events.c.seq)
+        )
+        for row in connection.execute(query.execution_options(yield_per=2000)):
+            record = record_from_row(row)
+            problem = event_problem(record, expected, previous_hash, self._mac)
+            if problem is not None:
+                return problem[0] if problem[0] is not None else record.seq, problem[1]
+            previous_hash, expected = record.event_hash, expected + 1
+        if expected <= upto:
+            return expected, f"event {expected} is missing"
+        return None
+
+    def _alarm(self, error: TamperDetectedError) -> None:
+        """tamper_detected: error log, the hook (a metric), an audit event; from now on no
+        checkpoint is signed and ``integrity_ok`` is False."""
+        self.tamper = error
+        log.error("tamper_detected", first_bad_seq=error.first_bad_seq, reason=error.reason)
+        self.on_tamper(error)
+        try:
+            self.append(
+                "tamper_detected",
+                "specgate",
+                {"first_bad_seq": error.first_bad_seq, "reason": error.reason},
+            )
+        except Exception:  # the alarm stands even if the store refuses the event
+            log.exception("tamper_event_not_recorded")
+
+    def on_tamper(self, error: TamperDetectedError) -> None:
+        """Hook for subclasses (the metrics); called once per alarm."""
+
+    def integrity_ok(self) -> bool:
+        """No tampering seen, and (when required) a fresh enough witness cosignature."""
+        if self.tamper is not None:
+            return False
+        witness = self._witness
+        if witness is None or witness.max_age_s is None:
+            return True
+        newest = self.newest_cosignature()
+        return newest is not None and time.time() - newest <= witness.max_age_s
+
+    def record_cosignature(self, note: str, actor: str | None) -> int:
+        """Record a witness's cosignature of one of this log's checkpoints (a ``cosignature``
+        event); returns the cosignature's time. Raises NoteError or ValueError if refused."""
+        if self._witness is None:
+            raise ValueError("this gateway has no witness key configured")
+        checkpoint = verify_checkpoint(note, self.signer.public_key, self.signer.origin)
+        cosigned_at = cosignature_time(note, self._witness.name, self._witness.public_key)
+        size, _ = self.head()
+        if checkpoint.size > size:
+            raise ValueError("the checkpoint is larger than this log")
+        try:
+            with self._db.connect() as connection:
+                stored = read_nodes(connection, set(perfect_pieces(0, checkpoint.size)))
+        except SQLAlchemyError as exc:
+            raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+        if range_hash(0, checkpoint.size, stored.__getitem__) != checkpoint.root:
+            raise ValueError("the cosigned checkpoint is not this log's tree at its size")
+        self.append(
+            "cosignature",
+            actor,
+            {
+                "note": note,
+                "size": checkpoint.size,
+                "witness": self._witness.name,
+                "cosigned_at": cosigned_at,
+            },
+        )
+        return cosigned_at
+
+    def newest_cosignature(self) -> int | None:
+        """Time of the newest valid cosignature by the configured witness in the log."""
+        if self._witness is None:
+            return None
+        query = (
+            sa.select(audit_events.c.payload)
+            .where(audit_events.c.kind == "cosignature")
+            .order_by(audit_events.c.seq.desc())
+            .limit(20)
+        )
+        try:
+            with self._db.connect() as connection:
+                payloads = [row.payload for row in connection.execute(query)]
+        except SQLAlchemyError:
+            return None
+        for payload in payloads:
+            note = payload.get("note") if isinstance(payload, dict) else None
+            if not isinstance(note, str):
+                continue
+            try:
+                verify_checkpoint(note, self.signer.public_key, self.signer.origin)
+                return cosignature_time(note, self._witness.name, self._witness.public_key)
+            except NoteError:
+                continue
+        return None
+
+    def latest_checkpoint(self) -> str:
+        """The newest checkpoint note in the log signed by this gateway's key (any replica's);
+        signs one when there is none yet."""
+        query = (
+            sa.select(audit_events.c.payload)
+            .where(audit_events.c.kind == "checkpoint")
+            .order_by(audit_events.c.seq.desc())
+            .limit(20)
+        )
+        try:
+            with self._db.connect() as connection:
+                payloads = [row.payload for row in connection.execute(query)]
+        except SQLAlchemyError as exc:
+            raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+        for payload in payloads:
+            note = payload.get("note") if isinstance(payload, dict) else None
+            if isinstance(note, str):
+                try:
+                    verify_checkpoint(note, self.signer.public_key, self.signer.origin)
+                except NoteError:
+                    continue
+                return note
+        return str(self.checkpoint()["note"])
+
+    # --- proofs ----------------------------------------------------------------------------
+
+    def _proof(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        try:
+            with self._db.connect() as connection:
+                stored = read_nodes(connection, nodes_for(ranges))
+        except SQLAlchemyError as exc:
+            raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+        return [range_hash(start, end, stored.__getitem__) for start, end in ranges]
+
+    def consistency_proof(self, old_size: int, new_size: int) -> list[bytes]:
+        """RFC 9162 consistency proof between two tree sizes (new_size at most the current)."""
+        return self._proof(consistency_proof_ranges(old_size, new_size))
+
+    def inclusion_proof(self, leaf_index: int, size: int) -> list[bytes]:
+        return self._proof(inclusion_proof_ranges(leaf_index, size))
+
+    def event(self, event_id: str) -> EventRecord | None:
         try:
             with self._db.connect() as connection:
                 row = connection.execute(
-                    sa.select(audit_events.c.seq, audit_events.c.event_hash)
-                    .order_by(audit_events.c.seq.desc())
-                    .limit(1)
+                    sa.select(audit_events).where(audit_events.c.event_id == event_id)
                 ).first()
         except SQLAlchemyError as exc:
             raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
-        return (row.seq, row.event_hash) if row else (0, GENESIS_HASH)
+        return record_from_row(row) if row else None
 
-    def checkpoint(self) -> dict[str, Any]:
-        """Sign the current chain head and record the signed statement as a ``checkpoint``
-        event. Returns the signed checkpoint."""
-        seq, head_hash = self.head()
-        signed = self.signer.sign(
-            {
-                "seq": seq,
-                "head_hash": head_hash,
-                "signed_at": format_timestamp(datetime.now(UTC)),
-            }
-        )
-        self.append("checkpoint", "specgate", signed)
-        return signed
+    def receipt(self, record: EventRecord) -> dict[str, Any]:
+        """The event, the latest checkpoint covering it and the inclusion proof against it:
+        what ``specgate audit verify-receipt`` checks offline."""
+        note = self.latest_checkpoint()
+        if parse_checkpoint(note).size <= record.leaf_index:  # not yet in a checkpoint
+            note = str(self.checkpoint()["note"])
+        size = parse_checkpoint(note).size
+        return {
+            "event": {k: v for k, v in record.__dict__.items()},
+            "leaf_index": record.leaf_index,
+            "leaf_hash": b64(leaf_hash(record.canonical_bytes())),
+            "tree_size": size,
+            "inclusion_proof": [b64(h) for h in self.inclusion_proof(record.leaf_index, size)],
+            "checkpoint": note,
+        }
+
+    # --- export and verification -----------------------------------------------------------
 
     def _seq_range(
         self, since: datetime | None, until: datetime | None
     ) -> tuple[int | None, int | None]:
         """First and last seq of events created in [since, until). Appends take their time
-        under the chain lock, so the range is one contiguous stretch of the chain."""
+        under the append lock, so the range is one contiguous stretch of the log."""
         created = audit_events.c.created_at
         seq = audit_events.c.seq
         first = sa.select(sa.func.min(seq))
@@ -270,10 +699,12 @@ class AuditLog:
         until: datetime | None,
         fmt: ExportFormat = "jsonl",
         actor: str | None = None,
+        consistency_from: int | None = None,
     ) -> Iterator[str]:
-        """Lines of an export of the events created in [since, until), ending in a checkpoint
-        signed over the first exported event's prev_hash and the last one's seq and hash. The
-        export itself is recorded (an ``export`` event) before any line is produced."""
+        """Lines of an export of the events created in [since, until): the events, the tree
+        beyond them, and a checkpoint signed (after the usual check) once the ``export``
+        event recording this export was written. ``consistency_from`` adds a consistency
+        proof from that tree size (an auditor's trusted checkpoint) to the checkpoint's."""
         if fmt not in EXPORT_FORMATS:
             raise ValueError(f"unknown export format {fmt!r}; use one of {EXPORT_FORMATS}")
         since, until = _utc(since), _utc(until)
@@ -289,21 +720,28 @@ class AuditLog:
                 "last_seq": last_seq,
             },
         )
-        return self._export_lines(first_seq, last_seq, since, until, fmt)
+        checkpoint = self.checkpoint()
+        if consistency_from is not None and not 0 <= consistency_from <= checkpoint["size"]:
+            raise ValueError(
+                f"consistency_from must be between 0 and the tree size {checkpoint['size']}"
+            )
+        return self._export_lines(first_seq, last_seq, checkpoint, fmt, consistency_from)
 
     def _export_lines(
         self,
         first_seq: int | None,
         last_seq: int | None,
-        since: datetime | None,
-        until: datetime | None,
+        checkpoint: dict[str, Any],
         fmt: ExportFormat,
+        consistency_from: int | None = None,
     ) -> Iterator[str]:
+        size = int(checkpoint["size"])
         if fmt == "csv":
             yield csv_header()
-        first: EventRecord | None = None
-        last: EventRecord | None = None
-        count = 0
+        start = end = size
+        if first_seq is not None and last_seq is not None:
+            start, end = first_seq - 1, last_seq
+        yield encode_record(self._tree_record(start, end, size, consistency_from), fmt)
         if first_seq is not None and last_seq is not None:
             query = (
                 sa.select(audit_events)
@@ -312,29 +750,51 @@ class AuditLog:
             )
             try:
                 with self._db.connect() as connection:
-                    for row in connection.execution_options(yield_per=1000).execute(query):
-                        last = _record_from_row(row)
-                        first = first or last
-                        count += 1
-                        yield encode_event(last, fmt)
+                    for row in connection.execute(query.execution_options(yield_per=1000)):
+                        yield encode_record(record_from_row(row), fmt)
             except SQLAlchemyError as exc:
                 raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
-        signed = self.signer.sign(
-            export_checkpoint_statement(
-                first,
-                last,
-                count,
-                format_timestamp(since) if since else None,
-                format_timestamp(until) if until else None,
-                format_timestamp(datetime.now(UTC)),
-            )
+        yield encode_record(CheckpointRecord(str(checkpoint["note"])), fmt)
+
+    def _tree_record(
+        self, start: int, end: int, size: int, consistency_from: int | None
+    ) -> TreeRecord:
+        """What verifying leaves [start, end) against the tree of ``size`` needs besides them."""
+        left, right = perfect_pieces(0, start), aligned_pieces(end, size)
+        consistency = (
+            consistency_proof_ranges(consistency_from, size) if consistency_from is not None else []
         )
-        yield encode_checkpoint(signed, fmt)
+        try:
+            with self._db.connect() as connection:
+                stored = read_nodes(connection, {*left, *right, *nodes_for(consistency)})
+        except SQLAlchemyError as exc:
+            raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+        return TreeRecord(
+            start=start,
+            left=tuple(stored[n] for n in left),
+            right=tuple(stored[n] for n in right),
+            consistency_from=consistency_from,
+            consistency=tuple(range_hash(a, b, stored.__getitem__) for a, b in consistency),
+        )
 
     def verify(self, since: datetime | None = None, until: datetime | None = None) -> VerifyReport:
-        """The offline check (``verify_export``) run on the server over the events created in
-        [since, until), as the database holds them now."""
+        """The offline check (``verify_export``, with the MAC key) run on the server over the
+        events created in [since, until) as the database holds them now, against a checkpoint
+        signed after checking that the database extends the previous one. A failure raises
+        the tamper alarm."""
         since, until = _utc(since), _utc(until)
+        try:
+            checkpoint = self.checkpoint()
+        except TamperDetectedError as error:
+            return VerifyReport(False, 0, error.first_bad_seq, error.reason)
         first_seq, last_seq = self._seq_range(since, until)
-        lines = self._export_lines(first_seq, last_seq, since, until, "jsonl")
-        return verify_export(lines, self.signer.public_key_pem())
+        if last_seq is not None and last_seq > checkpoint["size"]:  # written after signing
+            last_seq = checkpoint["size"]
+        if first_seq is None or last_seq is None or first_seq > last_seq:
+            first_seq = last_seq = None
+        lines = self._export_lines(first_seq, last_seq, checkpoint, "jsonl")
+        report = verify_export(lines, self.signer.public_key_pem(), mac=self._mac)
+        if not report.ok:
+            with self._checkpoint_lock:
+                self._alarm(TamperDetectedError(report.first_bad_seq, report.reason))
+        return report

@@ -4,21 +4,29 @@ Every line of an export is written in exactly one canonical way; the verifier re
 parsed and rejects a line that differs, so even edits that keep the parsed value (say, a hex
 escape written in upper case) are caught.
 
-JSON Lines: one canonical JSON object per line, ``{"record": "event", ...fields}`` for events and
-a final ``{"record": "checkpoint", ...}`` line. CSV: a header row, one row per event with the
-payload as canonical JSON, and a final row whose ``record`` is ``checkpoint`` and whose
-``payload`` holds the checkpoint as canonical JSON. An empty CSV ``actor`` cell means none.
+An export holds, in this order: one ``tree`` line with what the Merkle tree needs beyond the
+exported events (the compact range of the leaves before them, the perfect subtrees after them
+up to the checkpoint's size, optionally a consistency proof from a size the auditor names); one
+line per event; one ``checkpoint`` line holding the signed C2SP checkpoint note.
+
+JSON Lines: one canonical JSON object per line with a ``record`` field (``event``, ``tree``,
+``checkpoint``). CSV: a header row, one row per event with the payload as canonical JSON, and
+``tree`` and ``checkpoint`` rows whose ``payload`` cell holds that record as canonical JSON. An
+empty CSV ``actor`` or ``mac`` cell means none.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import csv
 import io
 import json
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from gateway.audit.canonical import canonical_json, event_hash
+from gateway.audit.canonical import canonical_json, event_bytes, event_hash
+from gateway.audit.merkle import HASH_SIZE
 
 ExportFormat = Literal["jsonl", "csv"]
 EXPORT_FORMATS: tuple[ExportFormat, ...] = ("jsonl", "csv")
@@ -32,6 +40,7 @@ CSV_COLUMNS = (
     "payload",
     "prev_hash",
     "event_hash",
+    "mac",
 )
 
 
@@ -49,6 +58,22 @@ class EventRecord:
     payload: dict[str, Any]
     prev_hash: str
     event_hash: str
+    mac: str | None = None
+
+    @property
+    def leaf_index(self) -> int:
+        return self.seq - 1
+
+    def canonical_bytes(self) -> bytes:
+        return event_bytes(
+            seq=self.seq,
+            event_id=self.event_id,
+            created_at=self.created_at,
+            kind=self.kind,
+            actor=self.actor,
+            payload=self.payload,
+            prev_hash=self.prev_hash,
+        )
 
     def computed_hash(self) -> str:
         return event_hash(
@@ -62,29 +87,69 @@ class EventRecord:
         )
 
 
-Record = EventRecord | dict[str, Any]  # an event, or a signed checkpoint
+def b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode("ascii")
 
 
-def export_checkpoint_statement(
-    first: EventRecord | None,
-    last: EventRecord | None,
-    event_count: int,
-    since: str | None,
-    until: str | None,
-    signed_at: str,
-) -> dict[str, Any]:
-    """What the checkpoint closing an export states (and signs): the exported range's first
-    event and the hash it chains onto, its last event's seq and hash, and how many events."""
-    return {
-        "seq": last.seq if last else None,
-        "head_hash": last.event_hash if last else None,
-        "first_seq": first.seq if first else None,
-        "first_prev_hash": first.prev_hash if first else None,
-        "event_count": event_count,
-        "since": since,
-        "until": until,
-        "signed_at": signed_at,
-    }
+def unb64_hash(text: Any) -> bytes:
+    """A 32-byte hash from its canonical base64; RecordFormatError otherwise."""
+    if not isinstance(text, str):
+        raise RecordFormatError("a hash is not a base64 string")
+    try:
+        digest = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise RecordFormatError("a hash is not valid base64") from None
+    if len(digest) != HASH_SIZE or b64(digest) != text:
+        raise RecordFormatError("a hash is not 32 bytes of canonical base64")
+    return digest
+
+
+@dataclass(frozen=True)
+class TreeRecord:
+    """The tree beyond the exported events: ``left`` is the compact range of leaves
+    [0, start), ``right`` the perfect subtrees after the last exported leaf up to the
+    checkpoint's size, ``consistency`` a proof from tree size ``consistency_from`` to it."""
+
+    start: int
+    left: tuple[bytes, ...]
+    right: tuple[bytes, ...]
+    consistency_from: int | None = None
+    consistency: tuple[bytes, ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "start": self.start,
+            "left": [b64(h) for h in self.left],
+            "right": [b64(h) for h in self.right],
+            "consistency_from": self.consistency_from,
+            "consistency": [b64(h) for h in self.consistency],
+        }
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> TreeRecord:
+        if set(value) != {"start", "left", "right", "consistency_from", "consistency"}:
+            raise RecordFormatError("tree record fields are wrong")
+        start, since = value["start"], value["consistency_from"]
+        if not _is_size(start) or not (since is None or _is_size(since)):
+            raise RecordFormatError("tree record sizes are not non-negative integers")
+        hashes = {}
+        for name in ("left", "right", "consistency"):
+            if not isinstance(value[name], list):
+                raise RecordFormatError(f"tree record {name!r} is not a list")
+            hashes[name] = tuple(unb64_hash(h) for h in value[name])
+        return cls(start, hashes["left"], hashes["right"], since, hashes["consistency"])
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    note: str
+
+
+Record = EventRecord | TreeRecord | CheckpointRecord
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _csv_line(cells: list[str]) -> str:
@@ -97,28 +162,33 @@ def csv_header() -> str:
     return _csv_line(list(CSV_COLUMNS))
 
 
-def encode_event(record: EventRecord, fmt: ExportFormat) -> str:
-    if fmt == "jsonl":
-        return canonical_json({"record": "event", **asdict(record)}) + "\n"
-    return _csv_line(
-        [
-            "event",
-            str(record.seq),
-            record.event_id,
-            record.created_at,
-            record.kind,
-            record.actor or "",
-            canonical_json(record.payload),
-            record.prev_hash,
-            record.event_hash,
-        ]
-    )
+def _record_json(record: TreeRecord | CheckpointRecord) -> dict[str, Any]:
+    return record.as_json() if isinstance(record, TreeRecord) else {"note": record.note}
 
 
-def encode_checkpoint(checkpoint: dict[str, Any], fmt: ExportFormat) -> str:
+def encode_record(record: Record, fmt: ExportFormat) -> str:
+    kind = {EventRecord: "event", TreeRecord: "tree", CheckpointRecord: "checkpoint"}[type(record)]
+    if isinstance(record, EventRecord):
+        if fmt == "jsonl":
+            return canonical_json({"record": kind, **asdict(record)}) + "\n"
+        return _csv_line(
+            [
+                kind,
+                str(record.seq),
+                record.event_id,
+                record.created_at,
+                record.kind,
+                record.actor or "",
+                canonical_json(record.payload),
+                record.prev_hash,
+                record.event_hash,
+                record.mac or "",
+            ]
+        )
+    fields = _record_json(record)
     if fmt == "jsonl":
-        return canonical_json({"record": "checkpoint", **checkpoint}) + "\n"
-    return _csv_line(["checkpoint", "", "", "", "", "", canonical_json(checkpoint), "", ""])
+        return canonical_json({"record": kind, **fields}) + "\n"
+    return _csv_line([kind, "", "", "", "", "", canonical_json(fields), "", "", ""])
 
 
 def detect_format(first_line: str) -> ExportFormat:
@@ -130,12 +200,7 @@ def decode_line(line: str, fmt: ExportFormat) -> Record:
     if not line.endswith("\n"):
         raise RecordFormatError("line is not terminated (export cut short?)")
     record = _decode_jsonl(line) if fmt == "jsonl" else _decode_csv(line)
-    encoded = (
-        encode_event(record, fmt)
-        if isinstance(record, EventRecord)
-        else encode_checkpoint(record, fmt)
-    )
-    if encoded != line:
+    if encode_record(record, fmt) != line:
         raise RecordFormatError("line is not in the canonical form it was exported in")
     return record
 
@@ -158,8 +223,10 @@ def _event_from_fields(fields: dict[str, Any]) -> EventRecord:
         value = getattr(record, name)
         if not isinstance(value, expected) or isinstance(value, bool):
             raise RecordFormatError(f"event field {name!r} has the wrong type")
-    if record.actor is not None and not isinstance(record.actor, str):
-        raise RecordFormatError("event field 'actor' has the wrong type")
+    for name in ("actor", "mac"):
+        value = getattr(record, name)
+        if value is not None and not isinstance(value, str):
+            raise RecordFormatError(f"event field {name!r} has the wrong type")
     return record
 
 
@@ -170,6 +237,18 @@ def _load_json(text: str) -> Any:
         raise RecordFormatError(f"not valid JSON: {exc}") from exc
 
 
+def _other_record(record_type: str | None, value: Any) -> Record:
+    if not isinstance(value, dict):
+        raise RecordFormatError(f"{record_type} record is not a JSON object")
+    if record_type == "tree":
+        return TreeRecord.from_json(value)
+    if record_type == "checkpoint":
+        if set(value) != {"note"} or not isinstance(value["note"], str):
+            raise RecordFormatError("checkpoint record holds no note")
+        return CheckpointRecord(value["note"])
+    raise RecordFormatError(f"unknown record type {record_type!r}")
+
+
 def _decode_jsonl(line: str) -> Record:
     value = _load_json(line)
     if not isinstance(value, dict):
@@ -177,9 +256,7 @@ def _decode_jsonl(line: str) -> Record:
     record_type = value.pop("record", None)
     if record_type == "event":
         return _event_from_fields(value)
-    if record_type == "checkpoint":
-        return value
-    raise RecordFormatError(f"unknown record type {record_type!r}")
+    return _other_record(record_type, value)
 
 
 def _decode_csv(line: str) -> Record:
@@ -191,13 +268,8 @@ def _decode_csv(line: str) -> Record:
         raise RecordFormatError(f"CSV row does not have the {len(CSV_COLUMNS)} columns")
     cells = dict(zip(CSV_COLUMNS, rows[0], strict=True))
     record_type = cells.pop("record")
-    if record_type == "checkpoint":
-        checkpoint = _load_json(cells["payload"])
-        if not isinstance(checkpoint, dict):
-            raise RecordFormatError("checkpoint is not a JSON object")
-        return checkpoint
     if record_type != "event":
-        raise RecordFormatError(f"unknown record type {record_type!r}")
+        return _other_record(record_type, _load_json(cells["payload"]))
     if not cells["seq"].isdigit():
         raise RecordFormatError("seq is not a number")
     return _event_from_fields(
@@ -205,6 +277,7 @@ def _decode_csv(line: str) -> Record:
             **cells,
             "seq": int(cells["seq"]),
             "actor": cells["actor"] or None,
+            "mac": cells["mac"] or None,
             "payload": _load_json(cells["payload"]),
         }
     )

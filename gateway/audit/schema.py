@@ -19,6 +19,33 @@ audit_events = sa.Table(
     sa.Column("payload", sa.JSON, nullable=False),
     sa.Column("prev_hash", sa.String(64), nullable=False),
     sa.Column("event_hash", sa.String(64), nullable=False, unique=True),
+    # HMAC-SHA256 (hex) of the event's canonical bytes by the writing gateway; NULL when the
+    # writer had no MAC key (verification with the key reports such rows).
+    sa.Column("mac", sa.String(64), nullable=True),
+)
+
+# The Merkle tree's perfect subtrees: node (level, idx) is the hash of leaves
+# [idx * 2**level, (idx + 1) * 2**level), for level >= 1 (a leaf's hash is computed from its
+# event, seq = idx + 1). Written once, when the subtree's last leaf is appended, so any proof
+# reads O(log n) rows.
+audit_merkle_nodes = sa.Table(
+    "audit_merkle_nodes",
+    metadata,
+    sa.Column("level", sa.SmallInteger, primary_key=True, autoincrement=False),
+    sa.Column("idx", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("hash", sa.LargeBinary(32), nullable=False),
+)
+
+# One row (id = 1): the tree size, the chain's head hash and the compact range (the frontier's
+# hashes, concatenated, largest subtree first). Appends lock this row (SELECT ... FOR UPDATE),
+# which needs UPDATE on it: only the writer role can take the append lock.
+audit_head = sa.Table(
+    "audit_head",
+    metadata,
+    sa.Column("id", sa.SmallInteger, primary_key=True, autoincrement=False),
+    sa.Column("tree_size", sa.BigInteger, nullable=False),
+    sa.Column("head_hash", sa.String(64), nullable=False),
+    sa.Column("frontier", sa.LargeBinary, nullable=False),
 )
 
 api_keys = sa.Table(

@@ -1,5 +1,14 @@
-"""Offline verification of an audit export: needs only the export and the public key, never
-the server or its database (``specgate audit verify``)."""
+"""Offline verification of an audit export: needs only the export, the gateway's public key
+and, for the per-event MACs, the MAC key; never the server or its database
+(``specgate audit verify``). Standard library plus ``cryptography`` only.
+
+What it checks: every line's canonical form; a gapless sequence; every event's chain hash
+and prev_hash link; every event's MAC (with the key); every ``checkpoint`` event inside the
+export against the tree recomputed at its size; the closing signed checkpoint against the
+tree of the exported events plus the subtrees the export carries; and, given a checkpoint the
+auditor already trusts, that the exported tree extends it (same root at its size, or an RFC
+9162 consistency proof). It stops at, and names, the first bad event.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +17,26 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gateway.audit.records import EventRecord, RecordFormatError, decode_line, detect_format
-from gateway.audit.signing import (
-    CHECKPOINT_FORMAT,
-    PublicKeyError,
-    checkpoint_signature_valid,
-    key_fingerprint,
-    load_public_key,
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from gateway.audit.mac import EventMac
+from gateway.audit.merkle import (
+    CompactRange,
+    ProofError,
+    aligned_pieces,
+    leaf_hash,
+    verify_consistency,
 )
+from gateway.audit.note import Checkpoint, NoteError, parse_checkpoint, verify_checkpoint
+from gateway.audit.records import (
+    CheckpointRecord,
+    EventRecord,
+    RecordFormatError,
+    TreeRecord,
+    decode_line,
+    detect_format,
+)
+from gateway.audit.signing import PublicKeyError, key_fingerprint, load_public_key
 
 
 @dataclass
@@ -29,65 +50,188 @@ class VerifyReport:
         return asdict(self)
 
 
-def _event_problem(
-    record: EventRecord, previous: EventRecord | None
+class _Failed(Exception):
+    def __init__(self, seq: int | None, reason: str) -> None:
+        super().__init__(reason)
+        self.seq, self.reason = seq, reason
+
+
+def event_problem(
+    record: EventRecord, expected_seq: int, previous_hash: str | None, mac: EventMac | None
 ) -> tuple[int | None, str] | None:
-    """(first bad seq, why) for an event that does not continue the chain, else None."""
-    if previous is not None and record.seq != previous.seq + 1:
-        expected = previous.seq + 1
-        return expected, (
-            f"sequence broken: expected event {expected} after event {previous.seq}, "
-            f"found event {record.seq} (events missing, repeated or reordered)"
+    """(first bad seq, why) for an event that does not continue the log, else None.
+    ``previous_hash`` None: the previous event is not known (the first exported one)."""
+    if record.seq != expected_seq:
+        return expected_seq, (
+            f"sequence broken: expected event {expected_seq}, found event {record.seq} "
+            f"(events missing, repeated or reordered)"
         )
     if record.computed_hash() != record.event_hash:
         return record.seq, f"event {record.seq} was altered: its event_hash does not recompute"
-    if previous is not None and record.prev_hash != previous.event_hash:
+    if previous_hash is not None and record.prev_hash != previous_hash:
         return record.seq, (
-            f"event {record.seq}: prev_hash does not match the hash of event {previous.seq}"
+            f"event {record.seq}: prev_hash does not match the hash of event {record.seq - 1}"
+        )
+    if mac is not None and not mac.valid(record.canonical_bytes(), record.mac):
+        what = "has no MAC" if record.mac is None else "has a MAC that does not verify"
+        return record.seq, (
+            f"event {record.seq} {what}: it was not written by a gateway holding the MAC key "
+            f"(forged, altered or moved)"
         )
     return None
 
 
-def _checkpoint_problem(
-    checkpoint: dict[str, Any], first: EventRecord | None, last: EventRecord | None, count: int
-) -> tuple[int | None, str] | None:
-    """(first bad seq, why) when the signed checkpoint does not describe the exported events."""
-    first_seq, last_seq = (first.seq if first else None), (last.seq if last else None)
-    if checkpoint.get("format") != CHECKPOINT_FORMAT:
-        return last_seq, f"checkpoint format is not {CHECKPOINT_FORMAT}"
-    claimed_first, claimed_last = checkpoint.get("first_seq"), checkpoint.get("seq")
-    if isinstance(claimed_first, int) and first_seq is not None and claimed_first < first_seq:
-        return claimed_first, (
-            f"the checkpoint covers events from {claimed_first} but the export starts at event "
-            f"{first_seq}: events {claimed_first}..{first_seq - 1} are missing"
-        )
-    if isinstance(claimed_last, int) and last_seq is not None and claimed_last > last_seq:
-        return last_seq + 1, (
-            f"export ends at event {last_seq} but the checkpoint covers up to event "
-            f"{claimed_last}: events {last_seq + 1}..{claimed_last} are missing (truncated)"
-        )
-    expected = {
-        "first_seq": first_seq,
-        "first_prev_hash": first.prev_hash if first else None,
-        "seq": last_seq,
-        "head_hash": last.event_hash if last else None,
-        "event_count": count,
-    }
-    for name, value in expected.items():
-        if checkpoint.get(name) != value:
-            bad_seq = first_seq if name.startswith("first") else last_seq
-            return bad_seq, f"checkpoint does not match the export: {name} differs"
-    return None
-
-
-def verify_export(lines: Iterable[str], public_key_pem: bytes) -> VerifyReport:
-    """Check an export line by line: canonical form, every hash, the prev_hash links, a gapless
-    sequence, and a final checkpoint that is signed by ``public_key_pem`` and matches the first
-    and last exported events. Stops at, and names, the first bad event."""
+def trusted_checkpoint_text(text: str) -> str:
+    """The checkpoint note in ``text``: a note as ``GET /v1/audit/checkpoint`` returns it, or
+    an earlier export, whose closing checkpoint is taken."""
     try:
-        public_key = load_public_key(public_key_pem)
+        parse_checkpoint(text)
+        return text
+    except NoteError:
+        pass
+    lines = text.splitlines(keepends=True)
+    if not lines:
+        raise NoteError("the trusted checkpoint file is empty")
+    fmt = detect_format(lines[0])
+    try:
+        record = decode_line(lines[-1], fmt)
+    except RecordFormatError as exc:
+        raise NoteError(
+            f"the trusted checkpoint file is neither a note nor an export: {exc}"
+        ) from None
+    if not isinstance(record, CheckpointRecord):
+        raise NoteError("the trusted checkpoint file's last line is not a checkpoint")
+    return record.note
+
+
+@dataclass
+class _Walk:
+    """The verifier's running state over the exported events."""
+
+    key: Ed25519PublicKey
+    mac: EventMac | None
+    trusted: Checkpoint | None
+    tree: TreeRecord
+    frontier: CompactRange
+    checked_upto: int  # the largest tree size whose root a signature vouched for
+    count: int = 0
+    previous_hash: str | None = None
+    trusted_checked: bool = False
+
+    def check_trusted_here(self) -> None:
+        trusted = self.trusted
+        if trusted is None or self.frontier.size != trusted.size or self.trusted_checked:
+            return
+        self.trusted_checked = True
+        if self.frontier.root() != trusted.root:
+            raise _Failed(*self._span(trusted.size, "the trusted checkpoint"))
+        self.checked_upto = max(self.checked_upto, trusted.size)
+
+    def _span(self, size: int, what: str) -> tuple[int | None, str]:
+        first = self.checked_upto + 1
+        return first, (
+            f"the events up to {size} do not give the root hash of {what} (size {size}): "
+            f"history was rewritten or forked somewhere in events {first}..{size}"
+            + ("" if self.mac else "; pass --mac-key to name the event")
+        )
+
+    def event(self, record: EventRecord) -> None:
+        problem = event_problem(record, self.frontier.size + 1, self.previous_hash, self.mac)
+        if problem is not None:
+            raise _Failed(*problem)
+        self.check_trusted_here()
+        if record.kind == "checkpoint":
+            self._inner_checkpoint(record)
+        self.frontier.append(leaf_hash(record.canonical_bytes()))
+        self.previous_hash = record.event_hash
+        self.count += 1
+
+    def _inner_checkpoint(self, record: EventRecord) -> None:
+        note = record.payload.get("note")
+        if not isinstance(note, str):
+            raise _Failed(record.seq, f"checkpoint event {record.seq} holds no note")
+        try:
+            checkpoint = verify_checkpoint(note, self.key)
+        except NoteError as exc:
+            raise _Failed(record.seq, f"checkpoint event {record.seq}: {exc}") from None
+        if checkpoint.size != record.seq - 1:
+            raise _Failed(
+                record.seq,
+                f"checkpoint event {record.seq} states tree size {checkpoint.size}, "
+                f"not {record.seq - 1}",
+            )
+        if checkpoint.root != self.frontier.root():
+            raise _Failed(*self._span(checkpoint.size, f"checkpoint event {record.seq}"))
+        self.checked_upto = checkpoint.size
+
+    def close(self, closing: Checkpoint) -> None:
+        end, size = self.frontier.size, closing.size
+        if size < end:
+            raise _Failed(size + 1, f"the checkpoint covers {size} events, fewer than exported")
+        pieces = aligned_pieces(end, size)
+        if len(pieces) != len(self.tree.right):
+            raise _Failed(end + 1, "the tree record does not cover the rest of the tree")
+        for (level, _), digest in zip(pieces, self.tree.right, strict=True):
+            self.frontier.append_subtree(level, digest)
+        if self.frontier.root() != closing.root:
+            raise _Failed(*self._span(size, "the closing checkpoint"))
+        self.checked_upto = size
+        self._close_trusted(closing)
+
+    def _close_trusted(self, closing: Checkpoint) -> None:
+        trusted = self.trusted
+        if trusted is None or self.trusted_checked:
+            return
+        if trusted.size > closing.size:
+            # With the MAC key every exported event is known to be a gateway's, so the first
+            # one missing is the first after them; without it, any of them may be replaced.
+            end = self.tree.start + self.count
+            first = end + 1 if self.mac is not None else None
+            raise _Failed(
+                first,
+                f"the trusted checkpoint has {trusted.size} events, the export's tree only "
+                f"{closing.size}: the log was truncated (or this is a stale fork); "
+                + (
+                    f"events from {end + 1} are missing"
+                    if first
+                    else f"the first changed event is one of 1..{closing.size + 1}"
+                ),
+            )
+        if self.tree.consistency_from != trusted.size:
+            raise _Failed(
+                None,
+                f"the export carries no consistency proof from the trusted size {trusted.size} "
+                f"(export it with consistency_from={trusted.size})",
+            )
+        try:
+            verify_consistency(
+                trusted.size, closing.size, self.tree.consistency, trusted.root, closing.root
+            )
+        except ProofError as exc:
+            raise _Failed(
+                None, f"the export's tree does not extend the trusted checkpoint: {exc}"
+            ) from None
+
+
+def verify_export(
+    lines: Iterable[str],
+    public_key_pem: bytes,
+    *,
+    mac: EventMac | None = None,
+    trusted_checkpoint: str | None = None,
+) -> VerifyReport:
+    """Check an export line by line (see the module docstring). ``mac``: check every event's
+    MAC; ``trusted_checkpoint``: a checkpoint note the auditor already holds."""
+    try:
+        key = load_public_key(public_key_pem)
     except PublicKeyError as exc:
         return VerifyReport(False, 0, None, str(exc))
+    trusted = None
+    if trusted_checkpoint is not None:
+        try:
+            trusted = verify_checkpoint(trusted_checkpoint, key)
+        except NoteError as exc:
+            return VerifyReport(False, 0, None, f"the trusted checkpoint is not valid: {exc}")
     iterator = iter(lines)
     first_line = next(iterator, None)
     if first_line is None:
@@ -97,53 +241,63 @@ def verify_export(lines: Iterable[str], public_key_pem: bytes) -> VerifyReport:
         numbered = enumerate(iterator, start=2)
     else:
         numbered = enumerate(itertools.chain([first_line], iterator), start=1)
-
-    first: EventRecord | None = None
-    previous: EventRecord | None = None
-    checkpoint: dict[str, Any] | None = None
-    count = 0
-    for line_number, line in numbered:
-        next_seq = previous.seq + 1 if previous else None
-        if checkpoint is not None:
-            return VerifyReport(
-                False, count, next_seq, f"line {line_number}: data after the checkpoint"
-            )
-        try:
-            record = decode_line(line, fmt)
-        except RecordFormatError as exc:
-            return VerifyReport(False, count, next_seq, f"line {line_number}: {exc}")
-        if not isinstance(record, EventRecord):
-            checkpoint = record
-            continue
-        problem = _event_problem(record, previous)
-        if problem is not None:
-            return VerifyReport(False, count, *problem)
-        first = first or record
-        previous = record
-        count += 1
-
-    last_seq = previous.seq if previous else None
-    if checkpoint is None:
-        bad = last_seq + 1 if last_seq is not None else None
-        return VerifyReport(False, count, bad, "no checkpoint at the end: the export is truncated")
-    fingerprint = key_fingerprint(public_key)
-    if not checkpoint_signature_valid(checkpoint, public_key):
+    walk: _Walk | None = None
+    closing: Checkpoint | None = None
+    try:
+        for line_number, line in numbered:
+            next_seq = walk.frontier.size + 1 if walk else None
+            if closing is not None:
+                raise _Failed(next_seq, f"line {line_number}: data after the checkpoint")
+            try:
+                record = decode_line(line, fmt)
+            except RecordFormatError as exc:
+                raise _Failed(next_seq, f"line {line_number}: {exc}") from None
+            if walk is None:
+                if not isinstance(record, TreeRecord):
+                    raise _Failed(
+                        None, f"line {line_number}: the export does not start with its tree record"
+                    )
+                try:
+                    frontier = CompactRange(record.start, list(record.left))
+                except ValueError as exc:
+                    raise _Failed(record.start + 1, f"tree record: {exc}") from None
+                walk = _Walk(key, mac, trusted, record, frontier, checked_upto=0)
+            elif isinstance(record, EventRecord):
+                walk.event(record)
+            elif isinstance(record, CheckpointRecord):
+                try:
+                    closing = verify_checkpoint(record.note, key)
+                except NoteError as exc:
+                    raise _Failed(
+                        walk.frontier.size,
+                        f"closing checkpoint: {exc} ({key_fingerprint(key)})",
+                    ) from None
+                if trusted is not None and closing.origin != trusted.origin:
+                    raise _Failed(
+                        None,
+                        "the export and the trusted checkpoint are of "
+                        f"different logs ({closing.origin!r}, {trusted.origin!r})",
+                    )
+                first_seq, last_seq = walk.tree.start + 1, walk.frontier.size
+                walk.check_trusted_here()
+                walk.close(closing)
+            else:
+                raise _Failed(next_seq, f"line {line_number}: a second tree record")
+        if walk is None or closing is None:
+            bad = walk.frontier.size + 1 if walk else None
+            raise _Failed(bad, "no checkpoint at the end: the export is truncated")
+    except _Failed as failure:
+        return VerifyReport(False, walk.count if walk else 0, failure.seq, failure.reason)
+    macs = "MACs checked" if mac else "MACs not checked (no MAC key given)"
+    against = f", consistent with the trusted checkpoint of size {trusted.size}" if trusted else ""
+    if walk.count == 0:
         return VerifyReport(
-            False,
-            count,
-            last_seq,
-            f"checkpoint signature does not verify with the given public key ({fingerprint}; "
-            f"checkpoint names {checkpoint.get('key_fingerprint')})",
+            True, 0, None, f"ok: no events in range; tree of {closing.size} signed{against}"
         )
-    problem = _checkpoint_problem(checkpoint, first, previous, count)
-    if problem is not None:
-        return VerifyReport(False, count, *problem)
-    if first is None:
-        return VerifyReport(True, 0, None, "ok: the signed checkpoint states the range is empty")
     return VerifyReport(
         True,
-        count,
+        walk.count,
         None,
-        f"ok: events {first.seq}..{last_seq} intact, checkpoint signed at "
-        f"{checkpoint.get('signed_at')} by {fingerprint}",
+        f"ok: events {first_seq}..{last_seq} intact, {macs}, in the signed tree of "
+        f"{closing.size} events ({closing.origin}, {key_fingerprint(key)}){against}",
     )

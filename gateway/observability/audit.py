@@ -8,17 +8,24 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from gateway.audit.log import AppendedEvent, AuditLog
+from gateway.audit.log import AppendedEvent, AuditLog, TamperDetectedError
 from gateway.audit.signing import CheckpointSigner
 from gateway.observability.telemetry import Telemetry
 
 
 class ObservedAuditLog(AuditLog):
     def __init__(
-        self, db: sa.Engine, signer: CheckpointSigner | None, telemetry: Telemetry
+        self,
+        db: sa.Engine,
+        signer: CheckpointSigner | None,
+        telemetry: Telemetry,
+        **options: Any,
     ) -> None:
-        super().__init__(db, signer)
+        super().__init__(db, signer, **options)
         self._telemetry = telemetry
+
+    def on_tamper(self, error: TamperDetectedError) -> None:
+        self._telemetry.metrics.audit_tamper_detected.inc()
 
     def append(self, kind: str, actor: str | None, payload: dict[str, Any]) -> AppendedEvent:
         with self._telemetry.audit_write(kind) as span:

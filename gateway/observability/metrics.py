@@ -153,6 +153,11 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.audit_tamper_detected = Counter(
+            "specgate_audit_tamper_detected",
+            "Times the gateway found the audit database not extending what it signed.",
+            registry=r,
+        )
 
     def watch_engine(
         self,

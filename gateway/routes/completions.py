@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 from fastapi import APIRouter
@@ -24,6 +25,20 @@ from gateway.schemas import (
 router = APIRouter(prefix="/v1", tags=["completions"])
 
 AUDIT_ID_HEADER = "x-specgate-audit-id"
+# The receipt: the `request` event's Merkle leaf index and leaf hash (base64), which
+# GET /v1/audit/proof/{audit id} proves included in a signed checkpoint.
+AUDIT_LEAF_INDEX_HEADER = "x-specgate-audit-leaf-index"
+AUDIT_LEAF_HASH_HEADER = "x-specgate-audit-leaf-hash"
+
+
+def _audit_headers(generation: AuditedGeneration) -> dict[str, str]:
+    event = generation.request_event
+    assert event is not None
+    return {
+        AUDIT_ID_HEADER: generation.audit_id,
+        AUDIT_LEAF_INDEX_HEADER: str(event.leaf_index),
+        AUDIT_LEAF_HASH_HEADER: base64.b64encode(event.leaf_hash).decode("ascii"),
+    }
 
 
 async def _serve(generation: AuditedGeneration) -> JSONResponse | StreamingResponse | None:
@@ -34,13 +49,13 @@ async def _serve(generation: AuditedGeneration) -> JSONResponse | StreamingRespo
     return StreamingResponse(
         generation.stream(handles),
         media_type="text/event-stream",
-        headers={AUDIT_ID_HEADER: generation.audit_id, "cache-control": "no-cache"},
+        headers={**_audit_headers(generation), "cache-control": "no-cache"},
     )
 
 
 def _json(body: ChatCompletion | Completion, generation: AuditedGeneration) -> JSONResponse:
     content: dict[str, Any] = body.model_dump(mode="json")
-    return JSONResponse(content, headers={AUDIT_ID_HEADER: generation.audit_id})
+    return JSONResponse(content, headers=_audit_headers(generation))
 
 
 @router.post("/chat/completions", response_model=ChatCompletion)

@@ -1,5 +1,6 @@
 """``GET /healthz`` (the process answers) and ``GET /readyz`` (it can serve: models loaded,
-audit store reachable). Unauthenticated, for orchestrators' probes."""
+audit store reachable, no audit tampering detected and, if required, a fresh witness
+cosignature). Unauthenticated, for orchestrators' probes."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ async def readyz(request: Request) -> JSONResponse:
     checks = {
         "engine": services is not None,
         "audit_store": services is not None and await run_in_threadpool(services.audit.ping),
+        "audit_integrity": services is not None
+        and await run_in_threadpool(services.audit.integrity_ok),
     }
     if all(checks.values()):
         return JSONResponse({"status": "ready", "checks": checks})

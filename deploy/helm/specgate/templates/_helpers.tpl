@@ -114,22 +114,33 @@ seccompProfile:
 
 {{/* Environment that gives a container the database URL from the operator's Secret. */}}
 {{- define "specgate.databaseEnv" -}}
-{{- $db := .Values.database }}
-{{- if $db.urlKey }}
+{{- include "specgate.databaseEnvAs" (dict "db" .Values.database "login" .Values.database) }}
+{{- end }}
+
+{{/* The same for the owner role that runs the migrations. */}}
+{{- define "specgate.ownerDatabaseEnv" -}}
+{{- include "specgate.databaseEnvAs" (dict "db" .Values.database "login" .Values.database.owner) }}
+{{- end }}
+
+{{/* "db": the database values; "login": the user, existingSecret, passwordKey, urlKey to use. */}}
+{{- define "specgate.databaseEnvAs" -}}
+{{- $db := .db }}
+{{- $login := .login }}
+{{- if $login.urlKey }}
 - name: SPECGATE_DATABASE_URL
   valueFrom:
     secretKeyRef:
-      name: {{ $db.existingSecret }}
-      key: {{ $db.urlKey }}
+      name: {{ $login.existingSecret }}
+      key: {{ $login.urlKey }}
 {{- else }}
 {{- /* libpq reads PGPASSWORD itself, so the password never has to be URL-encoded. */}}
 - name: PGPASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ $db.existingSecret }}
-      key: {{ $db.passwordKey }}
+      name: {{ $login.existingSecret }}
+      key: {{ $login.passwordKey }}
 - name: SPECGATE_DATABASE_URL
-  value: {{ printf "postgresql+psycopg://%s@%s:%d/%s?sslmode=%s" $db.user $db.host (int $db.port) $db.name $db.sslmode | quote }}
+  value: {{ printf "postgresql+psycopg://%s@%s:%d/%s?sslmode=%s" $login.user $db.host (int $db.port) $db.name $db.sslmode | quote }}
 {{- end }}
 {{- if $db.caSecret }}
 - name: PGSSLROOTCERT
