@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from engine.service import Engine
+from gateway import openapi
 from gateway.admission import Admission
 from gateway.audit.log import AuditUnavailableError
 from gateway.audit.signing import CheckpointSigner
@@ -194,4 +195,5 @@ def create_app(settings: Settings) -> FastAPI:
     install_error_handlers(app)
     for module in (completions, models, audit, admin, health):
         app.include_router(module.router)
+    openapi.install(app)
     return app

@@ -268,7 +268,7 @@ def test_shutdown_grace_fits_inside_the_pods_grace_period(
         gateway = container(docs)
         pause = gateway["lifecycle"]["preStop"]["sleep"]["seconds"]
         grace = float(env_of(gateway)["SPECGATE_SHUTDOWN_GRACE_S"]["value"])
-        assert 0 < grace and pause + grace + 10 == pod["terminationGracePeriodSeconds"]
+        assert grace > 0 and pause + grace + 10 == pod["terminationGracePeriodSeconds"]
 
 
 def test_production_network_policy_allows_only_database_collector_and_dns(
