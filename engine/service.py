@@ -69,6 +69,7 @@ class RequestHandle:
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._waker: Callable[[], None] | None = None
+        self._wake_on_final_only = False
 
     @property
     def cancelled(self) -> bool:
@@ -80,7 +81,8 @@ class RequestHandle:
     def put(self, item: StreamDelta | BaseException) -> None:
         self._deltas.put(item)
         waker = self._waker
-        if waker is not None:
+        final = isinstance(item, BaseException) or item.finish_reason is not None
+        if waker is not None and (final or not self._wake_on_final_only):
             with contextlib.suppress(RuntimeError):  # the waiting loop closed: none listens
                 waker()
 
@@ -98,8 +100,10 @@ class RequestHandle:
             if item.finish_reason is not None:
                 return
 
-    async def deltas(self) -> AsyncIterator[StreamDelta]:
-        """The deltas, awaited on the running event loop."""
+    async def deltas(self, final_only: bool = False) -> AsyncIterator[StreamDelta]:
+        """The deltas, awaited on the running event loop; with ``final_only`` the loop is
+        woken once, when the last delta (or an error) arrives, not for every token."""
+        self._wake_on_final_only = final_only
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
 
@@ -136,7 +140,7 @@ class RequestHandle:
 
     async def result_async(self) -> GenerationResult:
         last: StreamDelta | None = None
-        async for delta in self.deltas():
+        async for delta in self.deltas(final_only=True):
             last = delta
         return self._result(last)
 

@@ -11,6 +11,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.auth import AppPrincipal
 from gateway.dependencies import Services, ServicesDep
+from gateway.errors import shutting_down
 from gateway.generation import AuditedGeneration, build_job, system_fingerprint
 from gateway.keys import Principal
 from gateway.schemas import (
@@ -58,6 +59,8 @@ async def _start(
     body: ChatCompletionRequest | CompletionRequest, principal: Principal, services: Services
 ) -> AuditedGeneration:
     """Admit (or 429 at once), then template and tokenize off the event loop."""
+    if services.lifecycle.stopping:
+        raise shutting_down("The gateway is shutting down; retry on another instance.")
     slots = services.admission.admit(body.n)
     try:
         job = await services.offload.prepare(
