@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import resource
@@ -22,6 +23,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +123,12 @@ async def drive(
     }
 
 
+def drive_in_process(
+    base_url: str, api_key: str, model: str, requests: int, concurrency: int, max_seconds: float
+) -> dict[str, Any]:
+    return asyncio.run(drive(base_url, api_key, model, requests, concurrency, max_seconds))
+
+
 def check_log(services: Services) -> dict[str, Any]:
     with services.db.connect() as connection:
         rows = connection.execute(
@@ -162,16 +170,17 @@ def main() -> None:
         with serving(settings) as (base_url, services):
             _, api_key = services.keys.create("app", "bench-soak", "bench")
             rss_start = rss_mib()
-            result = asyncio.run(
-                drive(
+            # The client runs in its own process, so that it does not share the server's GIL.
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                result = pool.submit(
+                    drive_in_process,
                     base_url,
                     api_key,
                     services.engine.model_name,
                     args.requests,
                     args.concurrency,
                     args.max_seconds,
-                )
-            )
+                ).result()
             rss_end = rss_mib()
             _wait_for_spool(services)
             result.update(check_log(services))
