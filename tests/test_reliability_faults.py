@@ -239,9 +239,11 @@ def test_completions_and_fallbacks_during_an_outage_are_spooled_and_committed_in
         own_pg.start()
     _wait(lambda: services.spool.pending == 0, 60, "the spool to drain")
     completions = _events(services.db, "completion")
-    spooled = [c for c in completions if "spool" in c.payload]
     ids = {stream.audit_id for stream in streams}
-    assert {c.payload["request_event_id"] for c in spooled} >= ids
+    spooled = [
+        c for c in completions if "spool" in c.payload and c.payload["request_event_id"] in ids
+    ]
+    assert {c.payload["request_event_id"] for c in spooled} == ids
     assert all(c.payload["spool"]["delay_s"] >= 1.0 for c in spooled)
     fallback = [f for f in _events(services.db, "fallback") if f.payload["reason"] == "test outage"]
     assert len(fallback) == 1 and fallback[0].payload["spool"]["delay_s"] >= 1.0
@@ -250,6 +252,35 @@ def test_completions_and_fallbacks_during_an_outage_are_spooled_and_committed_in
         fallback[0].payload["spool"]["spooled_at"]
     ]
     assert [s for _, s in sorted(zip(spooled_at, seqs, strict=True))] == sorted(seqs)
+    _verify(gateway)
+
+
+def test_a_completion_that_cannot_be_recorded_ends_the_stream_with_an_error_saying_so(
+    gateway: LiveGateway, own_pg: PgInstance, tmp_path: Path
+) -> None:
+    services = gateway.services
+    spool_path = services.spool.path
+    stream = Stream(gateway.base_url, _headers(gateway), LONG)
+    assert stream.first_chunk.wait(60)
+    own_pg.stop()
+    unwritable = tmp_path / "not-a-file"
+    unwritable.mkdir()  # opening a directory for appending fails, even for root
+    services.spool.path = unwritable
+    try:
+        assert stream.ended.wait(60)
+    finally:
+        services.spool.path = spool_path
+        own_pg.start()
+    assert not stream.done
+    assert stream.error is not None and stream.error["code"] == "completion_not_recorded"
+    assert (
+        "not recorded" in stream.error["message"]
+        or "could not be recorded" in (stream.error["message"])
+    )
+    # The text it streamed is the client's; the log shows a request without a completion,
+    # which the next restart of this instance marks `interrupted`.
+    completions = _events(services.db, "completion")
+    assert stream.audit_id not in {c.payload["request_event_id"] for c in completions}
     _verify(gateway)
 
 
