@@ -43,7 +43,7 @@ class BodySizeLimitMiddleware:
     """Also bounds the wait for each piece of the body (``body_timeout_s``): a client that
     stops sending mid-body is answered 408 instead of holding the request open."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float = 30.0) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
