@@ -16,6 +16,7 @@ of the spread.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
@@ -23,18 +24,20 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from gateway.app import create_app
 from gateway.dependencies import Services
+from gateway.generation import build_job
+from gateway.schemas import ChatCompletionRequest
+from gateway.server import GracefulServer, uvicorn_config
 from gateway.settings import Settings, load_settings
 
 MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
@@ -56,6 +59,57 @@ class OverheadResult:
     direct: Percentiles
     gateway: Percentiles
     added: Percentiles
+    pieces_p50_ms: dict[str, float]
+
+
+PIECE_REPEATS = 200
+
+
+def _median_ms(call: Callable[[], object], repeats: int = PIECE_REPEATS) -> float:
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - started)
+    return round(statistics.median(samples) * 1e3, 3)
+
+
+def pieces(base_url: str, services: Services, api_key: str, max_tokens: int) -> dict[str, float]:
+    """Where the added time goes: each piece of the request path timed on its own (median
+    over PIECE_REPEATS), in the serving process, while no request is in flight."""
+    engine = services.engine
+    body = ChatCompletionRequest.model_validate(
+        {"model": engine.model_name, "messages": MESSAGES, "max_tokens": max_tokens}
+    )
+    loop = asyncio.new_event_loop()
+    offload = services.offload
+    principal = services.keys.authenticate(api_key)
+    assert principal is not None
+    job = build_job(body, engine, services.settings.max_prompt_bytes)
+    request_payload = {"request_id": job.request_id, "bench": True, "prompt_tokens": 9}
+    completion_payload = {"request_event_id": "bench", "outcome": "ok", "latency_s": 0.01}
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        figures = {
+            "http_round_trip_healthz": _median_ms(lambda: client.get("/healthz")),
+            "authentication_lookup": _median_ms(lambda: services.keys.authenticate(api_key)),
+            "validate_template_tokenize": _median_ms(
+                lambda: build_job(body, engine, services.settings.max_prompt_bytes)
+            ),
+            "request_event_commit": _median_ms(
+                lambda: services.audit.append("bench", principal.key_id, request_payload)
+            ),
+            "completion_event_commit": _median_ms(
+                lambda: services.audit.append("bench", principal.key_id, completion_payload)
+            ),
+            "thread_hand_off_db_pool": _median_ms(
+                lambda: loop.run_until_complete(offload.db(lambda: None))
+            ),
+            "thread_hand_off_prepare_pool": _median_ms(
+                lambda: loop.run_until_complete(offload.prepare(lambda: None))
+            ),
+        }
+    loop.close()
+    return figures
 
 
 def percentiles(samples_s: list[float]) -> Percentiles:
@@ -76,7 +130,7 @@ def serving(settings: Settings) -> Iterator[tuple[str, Services]]:
     # every keep-alive response waits ~40 ms (uvicorn sets it only on sockets it binds).
     listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     listener.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = GracefulServer(uvicorn_config(app, settings, log_level="warning"), app)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     while not server.started:
@@ -155,6 +209,7 @@ def main() -> None:
             direct, through_gateway = measure(
                 base_url, services.engine, api_key, args.requests, args.max_tokens
             )
+            breakdown = pieces(base_url, services, api_key, args.max_tokens)
             services.keys.revoke("bench-gateway-overhead", "bench")
     added = [gateway - engine for gateway, engine in zip(through_gateway, direct, strict=True)]
     result = OverheadResult(
@@ -165,6 +220,7 @@ def main() -> None:
         direct=percentiles(direct),
         gateway=percentiles(through_gateway),
         added=percentiles(added),
+        pieces_p50_ms=breakdown,
     )
     print(json.dumps(asdict(result), indent=2))
     if args.json is not None:

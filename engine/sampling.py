@@ -14,8 +14,16 @@ from engine.types import SamplingParams
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Softmax of ``logits`` (``[..., vocab]``) after temperature, top-k and top-p, in float32."""
+    """Softmax of ``logits`` (``[..., vocab]``) after temperature, top-k and top-p, in float32.
+
+    A temperature so small that ``logits / temperature`` overflows float32 would give
+    ``inf - inf = NaN``; then the logits are shifted by their maximum first (softmax is
+    shift-invariant, so this is the same distribution: all mass on the top logits, the limit
+    of temperature -> 0). Ordinary temperatures take the unshifted path, bit for bit."""
     scaled = logits.float() / params.temperature
+    if not torch.isfinite(scaled.amax(dim=-1)).all():
+        raw = logits.float()
+        scaled = (raw - raw.amax(dim=-1, keepdim=True)) / params.temperature
     vocab = scaled.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
@@ -26,6 +34,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop_sorted = before >= params.top_p
+        # A top_p below float32's smallest value rounds to 0 and would drop every token.
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.softmax(scaled, dim=-1)

@@ -7,11 +7,13 @@ overload into an immediate ``QueueFullError`` instead of unbounded latency.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +66,9 @@ FallbackListener = Callable[[FallbackEvent], None]
 
 
 class RequestHandle:
-    """A submitted request: iterate for streamed deltas, or call ``result()``."""
+    """A submitted request: iterate for streamed deltas, or call ``result()``; from an event
+    loop, ``async for`` over ``deltas()`` or await ``result_async()``, which wait without
+    holding a thread (the worker wakes the loop with ``call_soon_threadsafe``)."""
 
     def __init__(self, request: GenerationRequest, submitted_at: float) -> None:
         self.request = request
@@ -74,6 +78,8 @@ class RequestHandle:
         self._cancelled = threading.Event()
         self._token_ids: list[int] = []
         self._text: list[str] = []
+        self._waker: Callable[[], None] | None = None
+        self._wake_on_final_only = False
 
     @property
     def cancelled(self) -> bool:
@@ -84,27 +90,69 @@ class RequestHandle:
 
     def put(self, item: StreamDelta | BaseException) -> None:
         self._deltas.put(item)
+        waker = self._waker
+        final = isinstance(item, BaseException) or item.finish_reason is not None
+        if waker is not None and (final or not self._wake_on_final_only):
+            with contextlib.suppress(RuntimeError):  # the waiting loop closed: none listens
+                waker()
+
+    def _take(self, item: StreamDelta | BaseException) -> StreamDelta:
+        if isinstance(item, BaseException):
+            raise item
+        self._token_ids.extend(item.token_ids)
+        self._text.append(item.text)
+        return item
 
     def __iter__(self) -> Iterator[StreamDelta]:
         while True:
-            item = self._deltas.get()
-            if isinstance(item, BaseException):
-                raise item
-            self._token_ids.extend(item.token_ids)
-            self._text.append(item.text)
+            item = self._take(self._deltas.get())
             yield item
             if item.finish_reason is not None:
                 return
 
-    def result(self) -> GenerationResult:
-        last: StreamDelta | None = None
-        for delta in self:
-            last = delta
+    async def deltas(self, final_only: bool = False) -> AsyncIterator[StreamDelta]:
+        """The deltas, awaited on the running event loop; with ``final_only`` the loop is
+        woken once, when the last delta (or an error) arrives, not for every token."""
+        self._wake_on_final_only = final_only
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(ready.set)
+
+        self._waker = wake
+        try:
+            while True:
+                try:
+                    item = self._take(self._deltas.get_nowait())
+                except queue.Empty:
+                    await ready.wait()
+                    ready.clear()
+                    continue
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self._waker = None
+
+    def _result(self, last: StreamDelta | None) -> GenerationResult:
         if last is None or last.finish_reason is None or last.stats is None:
             raise RuntimeError("request ended without a final delta")
         return GenerationResult(
             tuple(self._token_ids), "".join(self._text), last.finish_reason, last.stats
         )
+
+    def result(self) -> GenerationResult:
+        last: StreamDelta | None = None
+        for delta in self:
+            last = delta
+        return self._result(last)
+
+    async def result_async(self) -> GenerationResult:
+        last: StreamDelta | None = None
+        async for delta in self.deltas(final_only=True):
+            last = delta
+        return self._result(last)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """The gateway application: ``create_app(settings)`` wires settings, audit log, keys and engine.
 
-Startup order matters for fail-closed auditing: the audit store is migrated and reachable
-and the `startup` event is committed before the first request can be served.
+Startup order matters for fail-closed auditing: the audit store is migrated and reachable,
+events spooled by the previous run are committed, its unanswered requests are marked
+`interrupted`, and the `startup` event is committed before the first request can be served.
+The caller binds the port before the app starts (``gateway.server``), so a start that cannot
+listen writes no `startup` event. Shutdown writes a `shutdown` event and a final checkpoint.
 """
 
 from __future__ import annotations
@@ -16,19 +19,25 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from engine.service import Engine
-from gateway.audit.log import AuditLog, AuditUnavailableError, WitnessPolicy
+from gateway import openapi
+from gateway.admission import Admission
+from gateway.audit.log import AuditUnavailableError, WitnessPolicy
 from gateway.audit.mac import EventMac
 from gateway.audit.signing import CheckpointSigner, load_public_key
 from gateway.body_limit import BodySizeLimitMiddleware
-from gateway.db import make_db_engine, normalise_url, upgrade_database
+from gateway.db import DatabaseTimeouts, make_db_engine, normalise_url, upgrade_database
 from gateway.dependencies import Services
 from gateway.errors import install_error_handlers
 from gateway.keys import KeyStore, KeyStoreError
+from gateway.lifecycle import Lifecycle
 from gateway.observability.audit import ObservedAuditLog
 from gateway.observability.telemetry import Telemetry
-from gateway.recording import fallback_recorder, startup_payload
+from gateway.offload import Offload
+from gateway.recording import append_durably, fallback_recorder, startup_payload
+from gateway.recovery import instance_id, mark_interrupted
 from gateway.routes import admin, audit, completions, health, models
 from gateway.settings import ConfigError, Settings, engine_config
+from gateway.spool import EventSpool
 
 log = structlog.get_logger(__name__)
 
@@ -62,12 +71,21 @@ def _witness_policy(settings: Settings) -> WitnessPolicy | None:
     return WitnessPolicy(key, settings.witness_name, settings.witness_max_age_s)
 
 
+def database_timeouts(settings: Settings) -> DatabaseTimeouts:
+    return DatabaseTimeouts(
+        connect_s=settings.db_connect_timeout_s,
+        statement_s=settings.db_statement_timeout_s,
+        lock_s=settings.db_lock_timeout_s,
+    )
+
+
 def start_services(settings: Settings, telemetry: Telemetry) -> Services:
-    """Migrate, open the audit log, load the models and record the `startup` event."""
+    """Migrate, open the audit log, commit what the last run spooled, mark what it left
+    unanswered, load the models and record the `startup` event."""
     url = normalise_url(settings.database_url)
     if settings.migrate or url.startswith("sqlite"):
         upgrade_database(url)
-    db = make_db_engine(url)
+    db = make_db_engine(url, database_timeouts(settings))
     signer = CheckpointSigner.load_or_create(settings.signing_key_path, settings.audit_origin)
     audit_log = ObservedAuditLog(
         db,
@@ -79,18 +97,27 @@ def start_services(settings: Settings, telemetry: Telemetry) -> Services:
         witness=_witness_policy(settings),
     )
     keys = KeyStore(db, audit_log)
+    instance = instance_id(settings.data_dir)
+    spool = EventSpool(settings.data_dir, audit_log, db, settings.spool_retry_s)
+    spool.drain()
+    interrupted = mark_interrupted(audit_log, db, instance)
+    if interrupted:
+        log.warning("requests_interrupted", count=interrupted)
     engine = Engine.load(
         engine_config(settings),
-        on_fallback=telemetry.fallback_listener(fallback_recorder(audit_log)),
+        on_fallback=telemetry.fallback_listener(fallback_recorder(spool)),
     )
     telemetry.watch_engine(engine)
     try:
         _bootstrap_admin(settings, keys)
-        audit_log.append("startup", SYSTEM_ACTOR, startup_payload(settings, engine))
+        audit_log.append(
+            "startup", SYSTEM_ACTOR, {**startup_payload(settings, engine), "instance_id": instance}
+        )
     except BaseException:
         engine.close()
         db.dispose()
         raise
+    spool.start()
     return Services(
         settings=settings,
         engine=engine,
@@ -99,14 +126,45 @@ def start_services(settings: Settings, telemetry: Telemetry) -> Services:
         signer=signer,
         db=db,
         telemetry=telemetry,
+        offload=Offload(
+            db_threads=settings.db_threads,
+            prepare_threads=settings.prepare_threads,
+            timeout_s=settings.audit_timeout_s,
+        ),
+        spool=spool,
+        admission=Admission(settings.max_queue),
+        lifecycle=Lifecycle(settings.shutdown_grace_s),
+        instance_id=instance,
     )
 
 
-async def _sign_checkpoints(audit_log: AuditLog, interval_s: float) -> None:
+async def stop_services(services: Services) -> None:
+    """Record the `shutdown` event (spooled if the store is away) and a final signed
+    checkpoint (bounded by ``audit_timeout_s``), then stop the engine and the writers."""
+    settings = services.settings
+    try:
+        await append_durably(
+            services.offload,
+            services.audit,
+            services.spool,
+            "shutdown",
+            SYSTEM_ACTOR,
+            {"instance_id": services.instance_id, "pending_spooled": services.spool.pending},
+        )
+        await services.offload.db(services.audit.checkpoint)
+    except AuditUnavailableError as error:
+        log.error("shutdown_not_checkpointed", error=str(error))
+    await run_in_threadpool(services.engine.close)
+    await run_in_threadpool(services.spool.close, settings.audit_timeout_s)
+    services.offload.close()
+    services.db.dispose()
+
+
+async def _sign_checkpoints(services: Services, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         try:
-            await run_in_threadpool(audit_log.checkpoint)
+            await services.offload.db(services.audit.checkpoint)
         except AuditUnavailableError as error:
             log.warning("checkpoint_not_signed", error=str(error))
 
@@ -121,7 +179,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.services = services
         app.state.started_at = int(time.time())
         checkpoints = asyncio.create_task(
-            _sign_checkpoints(services.audit, settings.checkpoint_interval_s)
+            _sign_checkpoints(services, settings.checkpoint_interval_s)
         )
         log.info(
             "gateway_started",
@@ -129,7 +187,7 @@ def create_app(settings: Settings) -> FastAPI:
             host=settings.host,
             port=settings.port,
         )
-        if not await run_in_threadpool(services.keys.list):
+        if not await services.offload.db(services.keys.list):
             log.warning(
                 "no_api_keys",
                 hint="create one with: specgate keys create --role app --name NAME",
@@ -139,8 +197,7 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             checkpoints.cancel()
             app.state.services = None
-            await run_in_threadpool(services.engine.close)
-            services.db.dispose()
+            await stop_services(services)
             telemetry.shutdown()
 
     # No /docs or /redoc: their pages load scripts from a public CDN.
@@ -148,9 +205,14 @@ def create_app(settings: Settings) -> FastAPI:
         title="Specgate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.state.services = None
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimitMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
     telemetry.instrument(app)
     install_error_handlers(app)
     for module in (completions, models, audit, admin, health):
         app.include_router(module.router)
+    openapi.install(app)
     return app

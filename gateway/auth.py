@@ -11,9 +11,8 @@ from typing import Annotated
 
 from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from starlette.concurrency import run_in_threadpool
 
-from gateway.dependencies import KeysDep
+from gateway.dependencies import ServicesDep
 from gateway.errors import APIError
 from gateway.keys import Principal, Role
 
@@ -22,7 +21,7 @@ _CHALLENGE = {"www-authenticate": "Bearer"}
 
 
 async def authenticated(
-    keys: KeysDep,
+    services: ServicesDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
     if credentials is None:
@@ -32,7 +31,7 @@ async def authenticated(
             code="missing_api_key",
             headers=_CHALLENGE,
         )
-    principal = await run_in_threadpool(keys.authenticate, credentials.credentials)
+    principal = await services.offload.db(services.keys.authenticate, credentials.credentials)
     if principal is None:
         raise APIError(
             401, "Incorrect API key provided.", code="invalid_api_key", headers=_CHALLENGE

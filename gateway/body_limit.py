@@ -7,6 +7,8 @@ checks both the declared length and the bytes actually received (chunked uploads
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -28,10 +30,23 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, _message(limit), code="request_too_large")
 
 
+class _TooSlow(HTTPException):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(status_code=408, detail=_slow_message(timeout_s))
+
+
+def _slow_message(timeout_s: float) -> str:
+    return f"The request body did not arrive: no data for {timeout_s:g} s."
+
+
 class BodySizeLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    """Also bounds the wait for each piece of the body (``body_timeout_s``): a client that
+    stops sending mid-body is answered 408 instead of holding the request open."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -45,12 +60,20 @@ class BodySizeLimitMiddleware:
 
         received = 0
         started = False
+        body_done = False
+        timeout_s = self.body_timeout_s
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # later receives wait for the disconnect: no bound on those
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout_s)
+            except TimeoutError:
+                raise _TooSlow(timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > limit:
                     raise _TooLarge(limit)
             return message
@@ -66,3 +89,8 @@ class BodySizeLimitMiddleware:
             if started:
                 raise
             await error_response(_too_large(limit))(scope, receive, send)
+        except _TooSlow:
+            if started:
+                raise
+            slow = APIError(408, _slow_message(timeout_s), code="request_timeout")
+            await error_response(slow)(scope, receive, send)

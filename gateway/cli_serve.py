@@ -66,8 +66,6 @@ def serve(
         typer.echo(f"specgate serve: {error}", err=True)
         raise typer.Exit(2) from None
 
-    import uvicorn
-
     from gateway.app import create_app
     from gateway.observability.logging import configure_logging
 
@@ -79,13 +77,17 @@ def serve(
     except ValueError as error:  # an egress refusal or an unusable telemetry setting
         typer.echo(f"specgate serve: {error}", err=True)
         raise typer.Exit(2) from None
+    from gateway.server import GracefulServer, bind, uvicorn_config
+
+    try:
+        listener = bind(settings)
+    except OSError as error:
+        where = f"{settings.host}:{settings.port}"
+        typer.echo(f"specgate serve: cannot listen on {where}: {error}", err=True)
+        raise typer.Exit(1) from None
     # uvicorn's own logging config and access log are off: its lines go through structlog
     # (same format, same redaction), and the request middleware logs each request with its ids.
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        log_config=None,
-        access_log=False,
+    server_config = uvicorn_config(
+        app, settings, log_level=settings.log_level, log_config=None, access_log=False
     )
+    GracefulServer(server_config, app).run(sockets=[listener])

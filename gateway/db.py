@@ -3,6 +3,8 @@ SQLite (the embedded laptop default)."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +32,43 @@ def is_sqlite(db: sa.Engine) -> bool:
     return db.dialect.name == "sqlite"
 
 
-def make_db_engine(url: str) -> sa.Engine:
-    """An engine for ``url``. ``pool_pre_ping`` lets service resume after the database was away."""
+# Key of the session-level advisory lock that serialises `specgate db upgrade` runs.
+MIGRATION_LOCK_KEY = int.from_bytes(b"sgmigrat", "big")
+
+
+@dataclass(frozen=True)
+class DatabaseTimeouts:
+    """PostgreSQL session bounds: connecting, any one statement, waiting for a lock. The
+    client-side bound on a wait (a stopped server answers nothing) is ``gateway.offload``."""
+
+    connect_s: float
+    statement_s: float
+    lock_s: float
+
+    def connect_args(self) -> dict[str, Any]:
+        options = (
+            f"-c statement_timeout={round(self.statement_s * 1000)} "
+            f"-c lock_timeout={round(self.lock_s * 1000)}"
+        )
+        return {"connect_timeout": max(1, math.ceil(self.connect_s)), "options": options}
+
+
+def make_db_engine(url: str, timeouts: DatabaseTimeouts | None = None) -> sa.Engine:
+    """An engine for ``url``. ``pool_pre_ping`` lets service resume after the database was away;
+    with ``timeouts``, a PostgreSQL connection, statement or lock wait fails instead of hanging
+    (and so does waiting for a pooled connection)."""
     parsed = make_url(normalise_url(url))
     if parsed.get_backend_name() != "sqlite":
-        return sa.create_engine(parsed, pool_pre_ping=True, pool_size=10, max_overflow=20)
+        if timeouts is None:
+            return sa.create_engine(parsed, pool_pre_ping=True, pool_size=10, max_overflow=20)
+        return sa.create_engine(
+            parsed,
+            pool_pre_ping=True,
+            pool_size=10,
+            max_overflow=20,
+            pool_timeout=timeouts.connect_s,
+            connect_args=timeouts.connect_args(),
+        )
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
     engine = sa.create_engine(parsed, connect_args={"timeout": 30.0})
@@ -75,12 +109,24 @@ def alembic_config() -> Config:
 
 
 def upgrade_database(url: str) -> None:
-    """Apply all migrations (``alembic upgrade head``) to the database at ``url``."""
+    """Apply all migrations (``alembic upgrade head``) to the database at ``url``. On PostgreSQL
+    a session advisory lock is held throughout, so that concurrent upgrades (two pods, a job
+    and a pod) run one after the other instead of racing to create the same tables."""
     db = make_db_engine(url)
     try:
         with db.connect() as connection:
-            config = alembic_config()
-            config.attributes["connection"] = connection
-            command.upgrade(config, "head")
+            locked = connection.dialect.name == "postgresql"
+            if locked:
+                connection.execute(sa.select(sa.func.pg_advisory_lock(MIGRATION_LOCK_KEY)))
+                connection.commit()
+            try:
+                config = alembic_config()
+                config.attributes["connection"] = connection
+                command.upgrade(config, "head")
+            finally:
+                if locked:
+                    connection.rollback()
+                    connection.execute(sa.select(sa.func.pg_advisory_unlock(MIGRATION_LOCK_KEY)))
+                    connection.commit()
     finally:
         db.dispose()

@@ -13,12 +13,16 @@ import sqlalchemy as sa
 from fastapi import Depends, Request
 
 from engine.service import Engine
+from gateway.admission import Admission
 from gateway.audit.log import AuditLog
 from gateway.audit.signing import CheckpointSigner
 from gateway.errors import APIError
 from gateway.keys import KeyStore
+from gateway.lifecycle import Lifecycle
 from gateway.observability.telemetry import Telemetry
+from gateway.offload import Offload
 from gateway.settings import Settings
+from gateway.spool import EventSpool
 
 
 @dataclass
@@ -30,6 +34,11 @@ class Services:
     signer: CheckpointSigner
     db: sa.Engine
     telemetry: Telemetry
+    offload: Offload
+    spool: EventSpool
+    admission: Admission
+    lifecycle: Lifecycle
+    instance_id: str
 
 
 def get_services(request: Request) -> Services:

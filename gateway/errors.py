@@ -74,6 +74,36 @@ def audit_unavailable() -> APIError:
     )
 
 
+# Seconds a client is asked to wait after a 429 (the ``Retry-After`` header).
+RETRY_AFTER_S = 1
+
+
+def queue_full() -> APIError:
+    return APIError(
+        429,
+        "The server's request queue is full. Retry later.",
+        type="rate_limit_error",
+        code="queue_full",
+        headers={"retry-after": str(RETRY_AFTER_S)},
+    )
+
+
+def completion_not_recorded() -> APIError:
+    """The output was generated but neither the audit store nor the local spool could record
+    its `completion` event: the client must not treat it as audited."""
+    return APIError(
+        503,
+        "The completion could not be recorded: the audit log is unavailable and the local "
+        "audit spool could not be written. Treat this output as unaudited and retry later.",
+        type="service_unavailable",
+        code="completion_not_recorded",
+    )
+
+
+def shutting_down(message: str) -> APIError:
+    return APIError(503, message, type="service_unavailable", code="shutting_down")
+
+
 def from_engine_error(error: Exception) -> APIError:
     """Map the engine's deliberate errors to HTTP; anything else is not the client's fault."""
     if isinstance(error, PromptTooLongError):
@@ -89,13 +119,7 @@ def from_engine_error(error: Exception) -> APIError:
     if isinstance(error, InvalidRequestError):
         return APIError(400, str(error), param=error.param)
     if isinstance(error, QueueFullError):
-        return APIError(
-            429,
-            "The server's request queue is full. Retry later.",
-            type="rate_limit_error",
-            code="queue_full",
-            headers={"retry-after": "1"},
-        )
+        return queue_full()
     if isinstance(error, EngineClosedError):
         return APIError(
             503, "The engine is shutting down.", type="service_unavailable", code="engine_closed"
@@ -160,6 +184,7 @@ _HTTP_CODES = {
     401: ("invalid_request_error", "invalid_api_key"),
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
 }
 

@@ -12,12 +12,12 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
 import structlog
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
 from engine.chat import render_chat
 from engine.service import Engine
@@ -29,13 +29,22 @@ from engine.types import (
     SamplingParams,
     SpeculativeChoice,
 )
+from gateway.admission import Slots
 from gateway.audit.log import AppendedEvent, AuditUnavailableError
 from gateway.dependencies import Services
-from gateway.errors import APIError, audit_unavailable, error_body, from_engine_error
+from gateway.errors import (
+    APIError,
+    audit_unavailable,
+    completion_not_recorded,
+    error_body,
+    from_engine_error,
+    shutting_down,
+)
 from gateway.keys import Principal
+from gateway.lifecycle import ShutdownError
 from gateway.observability.telemetry import CompletionTelemetry
 from gateway.recording import (
-    append_event,
+    append_durably,
     combined_stats,
     completion_payload,
     request_payload,
@@ -117,7 +126,52 @@ def speculative_choice(
     return SpeculativeChoice(requested.method, requested.num_speculative_tokens)
 
 
-def chat_prompt(body: ChatCompletionRequest, engine: Engine) -> Prompt:
+def _unencodable(value: Any, path: str) -> str | None:
+    """The location of the first string that is not valid Unicode (a lone surrogate, which
+    JSON's ``\\ud800`` escapes can carry), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items: Any = ()
+    if isinstance(value, dict):
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path}[{index}]", item) for index, item in enumerate(value))
+    for where, item in items:
+        found = _unencodable(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+def check_text(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """Refuse text that cannot be encoded as UTF-8 (400 naming the parameter)."""
+    where = _unencodable(body.model_dump(exclude_none=True), "")
+    if where is not None:
+        raise APIError(
+            400,
+            f"Invalid value for '{where}': the text is not valid Unicode "
+            "(it contains a lone surrogate).",
+            param=where,
+            code="invalid_text",
+        )
+
+
+def _check_prompt_bytes(size: int, limit: int, param: str) -> None:
+    if size > limit:
+        raise APIError(
+            400,
+            f"The {param} is {size} bytes of text; this server accepts at most {limit} "
+            "(max_prompt_bytes) before tokenizing.",
+            param=param,
+            code="prompt_too_large",
+        )
+
+
+def chat_prompt(body: ChatCompletionRequest, engine: Engine, max_prompt_bytes: int) -> Prompt:
     """Render the messages with the model's chat template (generation prompt added)."""
     messages = [
         {
@@ -126,6 +180,8 @@ def chat_prompt(body: ChatCompletionRequest, engine: Engine) -> Prompt:
         }
         for message in body.messages
     ]
+    size = sum(len(message["content"].encode("utf-8")) for message in messages)
+    _check_prompt_bytes(size, max_prompt_bytes, "messages")
     text = render_chat(engine.tokenizer, messages)
     token_ids = tuple(engine.tokenizer.encode(text, add_special_tokens=False))
     return Prompt(
@@ -136,7 +192,7 @@ def chat_prompt(body: ChatCompletionRequest, engine: Engine) -> Prompt:
     )
 
 
-def completion_prompt(body: CompletionRequest, engine: Engine) -> Prompt:
+def completion_prompt(body: CompletionRequest, engine: Engine, max_prompt_bytes: int) -> Prompt:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -149,6 +205,7 @@ def completion_prompt(body: CompletionRequest, engine: Engine) -> Prompt:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "The prompt must not be empty.", param="prompt")
+        _check_prompt_bytes(len(prompt.encode("utf-8")), max_prompt_bytes, "prompt")
         token_ids = tuple(engine.tokenizer.encode(prompt))
         return Prompt(token_ids, sha256_text(prompt), prompt, "prompt")
     token_ids = tuple(int(token) for token in prompt)  # type: ignore[arg-type]
@@ -188,18 +245,22 @@ def _max_tokens(
     return asked
 
 
-def build_job(body: ChatCompletionRequest | CompletionRequest, engine: Engine) -> Job:
-    """Check the request against the loaded model; raises APIError naming the parameter."""
+def build_job(
+    body: ChatCompletionRequest | CompletionRequest, engine: Engine, max_prompt_bytes: int
+) -> Job:
+    """Check the request against the loaded model; raises APIError naming the parameter.
+    Templating and tokenizing are CPU work: call it off the event loop."""
     check_model(body.model, engine)
+    check_text(body)
     if body.stream_options is not None and not body.stream:
         raise APIError(
             400, "stream_options is only allowed when stream is true.", param="stream_options"
         )
     kind: Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
     prompt = (
-        chat_prompt(body, engine)
+        chat_prompt(body, engine, max_prompt_bytes)
         if isinstance(body, ChatCompletionRequest)
-        else completion_prompt(body, engine)
+        else completion_prompt(body, engine, max_prompt_bytes)
     )
     max_tokens = _max_tokens(body, prompt, engine)
     sampling = [
@@ -260,10 +321,13 @@ class AuditedGeneration:
     services: Services
     principal: Principal
     job: Job
+    slots: Slots | None = None
     started: float = field(default_factory=time.perf_counter)
     request_event: AppendedEvent | None = None
     choices: list[_ChoiceState] = field(default_factory=list)
     telemetry: CompletionTelemetry | None = None
+    handles: list[Any] = field(default_factory=list)
+    closed: bool = False
 
     @property
     def audit_id(self) -> str:
@@ -312,15 +376,19 @@ class AuditedGeneration:
             user=job.user,
             content=job.prompt.content if self.services.settings.store_content else None,
         )
+        payload["instance_id"] = self.services.instance_id
+        services = self.services
+        attempt = services.offload.submit_db(
+            services.audit.append, "request", self.principal.key_id, payload
+        )
         try:
-            self.request_event = await append_event(
-                self.services.audit, "request", self.principal.key_id, payload
-            )
+            self.request_event = await services.offload.wait_db(attempt, "request append")
         except AuditUnavailableError as error:
             log.error("request_not_audited", error=str(error))
+            attempt.add_done_callback(self._answer_late_request)
             raise audit_unavailable() from error
         self.choices = [_ChoiceState() for _ in job.sampling]
-        handles: list[Any] = []
+        handles = self.handles
         try:
             for index, sampling in enumerate(job.sampling):
                 request = GenerationRequest(
@@ -333,20 +401,40 @@ class AuditedGeneration:
         except EngineError as error:
             for handle in handles:
                 handle.cancel()
-            await self._close_quietly("error", str(error))
+            await self.close_quietly("error", str(error))
             raise from_engine_error(error) from error
+        services.lifecycle.track(handles)
         return handles
+
+    def _answer_late_request(self, attempt: Future[AppendedEvent]) -> None:
+        """A `request` event that commits after the client was told 503 gets a `completion`
+        saying it was not served (on the database thread; the spool never waits)."""
+        if attempt.cancelled() or attempt.exception() is not None:
+            return
+        payload = self._completion_payload("not_served", "the request event committed late")
+        payload["request_event_id"] = attempt.result().event_id
+        try:
+            self.services.spool.enqueue("completion", self.principal.key_id, payload)
+        except OSError:
+            log.exception("late_request_not_answered")
 
     async def run(self) -> list[GenerationResult]:
         """Non-streaming: wait for every choice, then commit the `completion` event."""
         handles = await self.open()
         try:
-            results = list(
-                await asyncio.gather(*(run_in_threadpool(handle.result) for handle in handles))
-            )
+            results = list(await asyncio.gather(*(handle.result_async() for handle in handles)))
         except EngineError as error:
-            await self._close_quietly("error", str(error))
+            await self.close_quietly("error", str(error))
             raise from_engine_error(error) from error
+        except ShutdownError as error:
+            await self.close_quietly("shutdown", str(error))
+            raise shutting_down(str(error)) from error
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            with anyio.CancelScope(shield=True):
+                await self.close_quietly("cancelled", "the client disconnected")
+            raise
         for state, result in zip(self.choices, results, strict=True):
             state.text, state.num_tokens = result.text, len(result.token_ids)
             state.finish_reason, state.stats = result.finish_reason, result.stats
@@ -354,7 +442,7 @@ class AuditedGeneration:
             await self.close("ok", None)
         except AuditUnavailableError as error:
             log.error("completion_not_audited", error=str(error))
-            raise audit_unavailable() from error
+            raise completion_not_recorded() from error
         return results
 
     async def stream(self, handles: list[Any]) -> AsyncIterator[str]:
@@ -368,7 +456,7 @@ class AuditedGeneration:
                     yield _sse(
                         chunks.choice(index, {"delta": {"role": "assistant", "content": ""}}, None)
                     )
-                async for delta in iterate_in_threadpool(iter(handle)):
+                async for delta in handle.deltas():
                     state.text += delta.text
                     state.num_tokens += len(delta.token_ids)
                     if delta.finish_reason is not None:
@@ -376,21 +464,25 @@ class AuditedGeneration:
                     if delta.text or delta.finish_reason is not None:
                         yield _sse(chunks.text(index, delta.text, delta.finish_reason))
         except EngineError as error:
-            await self._close_quietly("error", str(error))
+            await self.close_quietly("error", str(error))
             yield _sse(_error_chunk(from_engine_error(error)))
+            return
+        except ShutdownError as error:
+            await self.close_quietly("shutdown", str(error))
+            yield _sse(_error_chunk(shutting_down(str(error))))
             return
         except BaseException:
             for handle in handles:
                 handle.cancel()
             # The client went away: the task is being cancelled, so shield the audit write.
             with anyio.CancelScope(shield=True):
-                await self._close_quietly("cancelled", "the client disconnected")
+                await self.close_quietly("cancelled", "the client disconnected")
             raise
         try:
             await self.close("ok", None)
         except AuditUnavailableError as error:
             log.error("completion_not_audited", error=str(error))
-            yield _sse(_error_chunk(audit_unavailable()))
+            yield _sse(_error_chunk(completion_not_recorded()))
             return
         if self.job.include_usage:
             yield _sse(chunks.usage(self.usage(), self.speculative()))
@@ -410,10 +502,9 @@ class AuditedGeneration:
         assert stats is not None and len(self.choices) > 0
         return speculative_usage(stats)
 
-    async def close(self, outcome: str, error: str | None) -> None:
-        """Commit the `completion` event for whatever the choices hold now."""
-        payload = completion_payload(
-            request_event_id=self.audit_id,
+    def _completion_payload(self, outcome: str, error: str | None) -> dict[str, Any]:
+        return completion_payload(
+            request_event_id=self.audit_id if self.request_event else "",
             outcome=outcome,
             error=error,
             texts=[state.text for state in self.choices],
@@ -424,6 +515,21 @@ class AuditedGeneration:
             latency_s=time.perf_counter() - self.started,
             store_content=self.services.settings.store_content,
         )
+
+    def finish(self) -> None:
+        """Give back the request's admission slots and stop tracking its engine work."""
+        self.services.lifecycle.forget(self.handles)
+        if self.slots is not None:
+            self.slots.release()
+            self.slots = None
+
+    async def close(self, outcome: str, error: str | None) -> None:
+        """Commit the `completion` event for whatever the choices hold now: directly, or
+        through the durable spool when the store does not answer in time. Raises
+        AuditUnavailableError only when neither could take it."""
+        self.finish()
+        self.closed = True
+        payload = self._completion_payload(outcome, error)
         telemetry = self.telemetry
         assert telemetry is not None
         stats = self.stats()
@@ -437,15 +543,21 @@ class AuditedGeneration:
             )
         if outcome != "ok":
             telemetry.record_error(outcome)
+        services = self.services
         try:
             with telemetry.activate():
-                await append_event(
-                    self.services.audit, "completion", self.principal.key_id, payload
+                await append_durably(
+                    services.offload,
+                    services.audit,
+                    services.spool,
+                    "completion",
+                    self.principal.key_id,
+                    payload,
                 )
         finally:
             telemetry.end()
 
-    async def _close_quietly(self, outcome: str, error: str) -> None:
+    async def close_quietly(self, outcome: str, error: str) -> None:
         """Record a failed or abandoned request; the client hears of the original failure."""
         try:
             await self.close(outcome, error)

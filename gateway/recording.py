@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import structlog
-from starlette.concurrency import run_in_threadpool
 
 from engine.service import Engine
 from engine.types import FallbackEvent, GenerationStats, SamplingParams, SpeculativeChoice
-from gateway.audit.log import AppendedEvent, AuditLog
+from gateway.audit.log import AppendedEvent, AuditLog, AuditUnavailableError
 from gateway.keys import Principal
+from gateway.offload import Offload
 from gateway.settings import Settings
+from gateway.spool import EventSpool
 
 log = structlog.get_logger(__name__)
 
@@ -32,10 +34,36 @@ def sha256_token_ids(token_ids: Sequence[int]) -> str:
 
 
 async def append_event(
-    audit: AuditLog, kind: str, actor: str | None, payload: dict[str, Any]
+    offload: Offload, audit: AuditLog, kind: str, actor: str | None, payload: dict[str, Any]
 ) -> AppendedEvent:
-    """Append and commit one event in the threadpool; raises AuditUnavailableError."""
-    return await run_in_threadpool(audit.append, kind, actor, payload)
+    """Append and commit one event on the database pool; raises AuditUnavailableError when it
+    fails or does not finish within the offload's bound."""
+    return await offload.db(audit.append, kind, actor, payload)
+
+
+async def append_durably(
+    offload: Offload,
+    audit: AuditLog,
+    spool: EventSpool,
+    kind: str,
+    actor: str | None,
+    payload: dict[str, Any],
+) -> bool:
+    """Commit an event that must not be lost: directly when the store answers in time, else
+    into the durable spool (committed later, once). True when committed directly. Raises
+    AuditUnavailableError only when the spool cannot be written either."""
+    attempted_at = datetime.now(UTC)
+    attempt = offload.submit_db(audit.append, kind, actor, payload)
+    try:
+        await offload.wait_db(attempt, f"{kind} append")
+        return True
+    except AuditUnavailableError as error:
+        log.warning("event_spooled", kind=kind, error=str(error))
+    try:
+        await offload.io(spool.keep, kind, actor, payload, attempt, attempted_at)
+    except OSError as error:
+        raise AuditUnavailableError(f"audit spool unwritable: {error}") from error
+    return False
 
 
 def models_in_use(engine: Engine) -> dict[str, Any]:
@@ -165,16 +193,17 @@ def completion_payload(
     return payload
 
 
-def fallback_recorder(audit: AuditLog) -> Callable[[FallbackEvent], None]:
+def fallback_recorder(spool: EventSpool) -> Callable[[FallbackEvent], None]:
     """The engine's ``on_fallback`` callback: a `fallback` event per switch.
 
-    It runs on the engine's worker thread; a failed append is logged, never raised into the
-    engine (speculation switching must not stop generation).
+    It runs on the engine's worker thread, so it only writes the event to the durable spool
+    (local disk, never the database); the spool's writer commits it, retrying until the store
+    takes it. A spool that cannot be written is logged, never raised into the engine.
     """
 
     def record(event: FallbackEvent) -> None:
         try:
-            audit.append("fallback", None, event.as_dict())
+            spool.enqueue("fallback", None, event.as_dict())
         except Exception:
             log.exception("fallback_event_not_recorded", method=event.method, action=event.action)
 

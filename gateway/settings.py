@@ -155,6 +155,50 @@ class Settings(BaseSettings):
     witness_max_age_s: float | None = Field(
         default=None, gt=0, description="/readyz fails without a cosignature this fresh."
     )
+    # Reliability bounds (docs/reliability.md).
+    db_connect_timeout_s: float = Field(
+        default=3.0, gt=0, description="PostgreSQL connect timeout (libpq connect_timeout)."
+    )
+    db_statement_timeout_s: float = Field(
+        default=5.0, gt=0, description="PostgreSQL statement_timeout of the gateway's sessions."
+    )
+    db_lock_timeout_s: float = Field(
+        default=3.0, gt=0, description="PostgreSQL lock_timeout of the gateway's sessions."
+    )
+    audit_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Longest a request waits for a database call (key lookup, audit append) "
+        "before it is answered 503 audit_unavailable; also bounds /readyz.",
+    )
+    db_threads: int = Field(default=32, ge=1, description="Threads for database calls.")
+    prepare_threads: int = Field(
+        default=2, ge=1, description="Threads for chat templating and tokenizing."
+    )
+    max_prompt_bytes: int = Field(
+        default=256 * 1024, ge=1, description="Prompt text (UTF-8 bytes) refused before tokenizing."
+    )
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, description="A request's headers must arrive within this time."
+    )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0, description="Longest wait for the next piece of a request body."
+    )
+    keep_alive_timeout_s: int = Field(
+        default=5, ge=1, description="An idle keep-alive connection is closed after this."
+    )
+    max_connections: int = Field(
+        default=1024, ge=1, description="Open connections beyond this are answered 503."
+    )
+    shutdown_grace_s: float = Field(
+        default=45.0,
+        ge=0,
+        description="On SIGTERM, streams may finish for this long; the rest end with an error "
+        "chunk and a `shutdown` outcome. Keep below the chart's terminationGracePeriodSeconds.",
+    )
+    spool_retry_s: float = Field(
+        default=1.0, gt=0, description="Pause between attempts to commit spooled events."
+    )
 
     @field_validator("speculative_config")
     @classmethod

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
-import uvicorn
 from fastapi import FastAPI
 from psycopg import sql
 
 from gateway.app import create_app
 from gateway.dependencies import Services
+from gateway.server import GracefulServer, uvicorn_config
 from gateway.settings import Settings
 
 PG_SERVER = "postgresql://postgres@127.0.0.1:5432"
@@ -64,7 +64,7 @@ def live_gateway(settings: Settings, database: str) -> Iterator[LiveGateway]:
     listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = GracefulServer(uvicorn_config(app, settings, log_level="warning", lifespan="on"), app)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120

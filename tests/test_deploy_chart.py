@@ -245,6 +245,30 @@ def test_default_network_policy_admits_only_the_allowed_clients(
         }
     ]
     assert egress_ports(database) == {(5432, "TCP")}
+    assert database["to"] == [{"podSelector": {}}]  # no peers given: the release's namespace
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_no_egress_rule_allows_any_destination(
+    manifests: dict[str, list[Manifest]], value_set: str
+) -> None:
+    policies = [d for d in manifests[value_set] if d["kind"] == "NetworkPolicy"]
+    assert len(policies) >= 2  # the gateway's and the migration job's
+    for policy in policies:
+        for rule in policy["spec"]["egress"]:
+            assert rule.get("to"), (policy["metadata"]["name"], rule)
+
+
+def test_shutdown_grace_fits_inside_the_pods_grace_period(
+    manifests: dict[str, list[Manifest]],
+) -> None:
+    for value_set in ("default", "production"):
+        docs = manifests[value_set]
+        pod = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]
+        gateway = container(docs)
+        pause = gateway["lifecycle"]["preStop"]["sleep"]["seconds"]
+        grace = float(env_of(gateway)["SPECGATE_SHUTDOWN_GRACE_S"]["value"])
+        assert grace > 0 and pause + grace + 10 == pod["terminationGracePeriodSeconds"]
 
 
 def test_production_network_policy_allows_only_database_collector_and_dns(

@@ -5,12 +5,16 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+import anyio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway.auth import AppPrincipal
-from gateway.dependencies import ServicesDep
+from gateway.dependencies import Services, ServicesDep
+from gateway.errors import shutting_down
 from gateway.generation import AuditedGeneration, build_job, system_fingerprint
+from gateway.keys import Principal
 from gateway.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -41,16 +45,65 @@ def _audit_headers(generation: AuditedGeneration) -> dict[str, str]:
     }
 
 
-async def _serve(generation: AuditedGeneration) -> JSONResponse | StreamingResponse | None:
+class _AuditedStream(StreamingResponse):
+    """A stream that records its `completion` event even when the client leaves before the
+    first chunk (Starlette then never starts the body generator), and frees its slots."""
+
+    def __init__(self, generation: AuditedGeneration, handles: list[Any]) -> None:
+        super().__init__(
+            generation.stream(handles),
+            media_type="text/event-stream",
+            headers={**_audit_headers(generation), "cache-control": "no-cache"},
+        )
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            generation = self.generation
+            if not generation.closed:
+                for handle in generation.handles:
+                    handle.cancel()
+                with anyio.CancelScope(shield=True):
+                    await generation.close_quietly("cancelled", "the client disconnected")
+            generation.finish()
+
+
+async def _start(
+    body: ChatCompletionRequest | CompletionRequest, principal: Principal, services: Services
+) -> AuditedGeneration:
+    """Admit (or 429 at once), then template and tokenize off the event loop."""
+    if services.lifecycle.stopping:
+        raise shutting_down("The gateway is shutting down; retry on another instance.")
+    slots = services.admission.admit(body.n)
+    try:
+        job = await services.offload.prepare(
+            build_job, body, services.engine, services.settings.max_prompt_bytes
+        )
+    except BaseException:
+        slots.release()
+        raise
+    return AuditedGeneration(services, principal, job, slots)
+
+
+async def _serve(generation: AuditedGeneration) -> StreamingResponse | None:
     """Start the generation; streams answer at once, the rest return None to be rendered."""
     if not generation.job.stream:
         return None
-    handles = await generation.open()
-    return StreamingResponse(
-        generation.stream(handles),
-        media_type="text/event-stream",
-        headers={**_audit_headers(generation), "cache-control": "no-cache"},
-    )
+    try:
+        handles = await generation.open()
+    except BaseException:
+        generation.finish()
+        raise
+    return _AuditedStream(generation, handles)
+
+
+async def _results(generation: AuditedGeneration) -> list[Any]:
+    try:
+        return await generation.run()
+    finally:
+        generation.finish()
 
 
 def _json(body: ChatCompletion | Completion, generation: AuditedGeneration) -> JSONResponse:
@@ -62,11 +115,11 @@ def _json(body: ChatCompletion | Completion, generation: AuditedGeneration) -> J
 async def chat_completions(
     body: ChatCompletionRequest, principal: AppPrincipal, services: ServicesDep
 ) -> JSONResponse | StreamingResponse:
-    generation = AuditedGeneration(services, principal, build_job(body, services.engine))
+    generation = await _start(body, principal, services)
     streaming = await _serve(generation)
     if streaming is not None:
         return streaming
-    results = await generation.run()
+    results = await _results(generation)
     job = generation.job
     return _json(
         ChatCompletion(
@@ -91,11 +144,11 @@ async def chat_completions(
 async def completions(
     body: CompletionRequest, principal: AppPrincipal, services: ServicesDep
 ) -> JSONResponse | StreamingResponse:
-    generation = AuditedGeneration(services, principal, build_job(body, services.engine))
+    generation = await _start(body, principal, services)
     streaming = await _serve(generation)
     if streaming is not None:
         return streaming
-    results = await generation.run()
+    results = await _results(generation)
     job = generation.job
     return _json(
         Completion(

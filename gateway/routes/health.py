@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
+from gateway.audit.log import AuditUnavailableError
 from gateway.dependencies import Services
 from gateway.errors import error_body
 
@@ -19,14 +19,30 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+async def _audit_reachable(services: Services) -> bool:
+    """A ping answered within ``audit_timeout_s``; probes share one ping in flight."""
+    try:
+        return await services.offload.db_shared("audit ping", services.audit.ping)
+    except AuditUnavailableError:
+        return False
+
+
+async def _audit_integrity(services: Services) -> bool:
+    """No tampering detected and, when required, a fresh witness cosignature (a database
+    read, bounded like the ping)."""
+    try:
+        return await services.offload.db_shared("audit integrity", services.audit.integrity_ok)
+    except AuditUnavailableError:
+        return False
+
+
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
     services: Services | None = request.app.state.services
     checks = {
-        "engine": services is not None,
-        "audit_store": services is not None and await run_in_threadpool(services.audit.ping),
-        "audit_integrity": services is not None
-        and await run_in_threadpool(services.audit.integrity_ok),
+        "engine": services is not None and not services.lifecycle.stopping,
+        "audit_store": services is not None and await _audit_reachable(services),
+        "audit_integrity": services is not None and await _audit_integrity(services),
     }
     if all(checks.values()):
         return JSONResponse({"status": "ready", "checks": checks})

@@ -30,7 +30,7 @@ async def list_models(request: Request, principal: AppPrincipal, engine: EngineD
     return ModelList(data=[_card(engine, request.app.state.started_at)])
 
 
-@router.get("/models/{model}")
+@router.get("/models/{model:path}")
 async def retrieve_model(
     model: str, request: Request, principal: AppPrincipal, engine: EngineDep
 ) -> ModelCard:

@@ -147,3 +147,13 @@ seccompProfile:
   value: /var/run/secrets/specgate/database-ca/{{ $db.caKey }}
 {{- end }}
 {{- end }}
+
+{{/*
+Seconds the gateway lets streams run after SIGTERM: terminationGracePeriodSeconds less the
+preStop pause and 10 s for the `shutdown` records and the final checkpoint.
+*/}}
+{{- define "specgate.shutdownGraceSeconds" -}}
+{{- $grace := sub (sub (int .Values.terminationGracePeriodSeconds) (int .Values.preStopSleepSeconds)) 10 -}}
+{{- if lt $grace 0 }}{{ fail "terminationGracePeriodSeconds must exceed preStopSleepSeconds by at least 10 s" }}{{ end -}}
+{{- $grace -}}
+{{- end }}

@@ -1,0 +1,91 @@
+"""Startup after a crash: mark the requests the previous run of this instance left unanswered.
+
+Every `request` event carries the ``instance_id`` of the gateway that served it (kept in the
+data directory, so it survives restarts); every `startup` event carries it too. On startup the
+gateway reads the log from its own previous `startup` onwards, and for each of its `request`
+events with neither a `completion` nor an `interrupted` event appends an `interrupted` event
+that references it. Nothing is rewritten; other instances' requests (which may still be in
+flight) are left alone.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from gateway.audit.log import AuditLog, AuditUnavailableError
+from gateway.audit.schema import audit_events
+
+INSTANCE_ID_FILE = "instance-id"
+
+
+def instance_id(data_dir: Path) -> str:
+    """This gateway's stable id: created once in the data directory."""
+    path = data_dir / INSTANCE_ID_FILE
+    if path.is_file():
+        text = path.read_text(encoding="utf-8").strip()
+        if text:
+            return text
+    data_dir.mkdir(parents=True, exist_ok=True)
+    new = uuid.uuid4().hex
+    path.write_text(new + "\n", encoding="utf-8")
+    return new
+
+
+def _previous_startup_seq(connection: sa.Connection, instance: str) -> int | None:
+    query = (
+        sa.select(audit_events.c.seq, audit_events.c.payload)
+        .where(audit_events.c.kind == "startup")
+        .order_by(audit_events.c.seq.desc())
+    )
+    for seq, payload in connection.execution_options(yield_per=100).execute(query):
+        if payload.get("instance_id") == instance:
+            return int(seq)
+    return None
+
+
+def unanswered_requests(db: sa.Engine, instance: str) -> list[tuple[str, dict[str, object]]]:
+    """(event id, payload) of this instance's `request` events since its previous `startup`
+    that have no `completion` or `interrupted` event, oldest first."""
+    with db.connect() as connection:
+        since = _previous_startup_seq(connection, instance)
+        if since is None:
+            return []
+        query = (
+            sa.select(audit_events.c.event_id, audit_events.c.kind, audit_events.c.payload)
+            .where(
+                audit_events.c.seq > since,
+                audit_events.c.kind.in_(("request", "completion", "interrupted")),
+            )
+            .order_by(audit_events.c.seq)
+        )
+        open_requests: dict[str, dict[str, object]] = {}
+        for event_id, kind, payload in connection.execution_options(yield_per=1000).execute(query):
+            if kind == "request":
+                if payload.get("instance_id") == instance:
+                    open_requests[event_id] = payload
+            else:
+                open_requests.pop(str(payload.get("request_event_id")), None)
+    return list(open_requests.items())
+
+
+def mark_interrupted(audit: AuditLog, db: sa.Engine, instance: str) -> int:
+    """Append an `interrupted` event for each unanswered request; returns how many."""
+    try:
+        unanswered = unanswered_requests(db, instance)
+    except sa.exc.SQLAlchemyError as error:
+        raise AuditUnavailableError(f"audit store unavailable: {error}") from error
+    for event_id, payload in unanswered:
+        audit.append(
+            "interrupted",
+            "specgate",
+            {
+                "request_event_id": event_id,
+                "request_id": payload.get("request_id"),
+                "instance_id": instance,
+                "reason": "the gateway stopped before the request was answered",
+            },
+        )
+    return len(unanswered)

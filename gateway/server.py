@@ -1,0 +1,108 @@
+"""Serving the app with uvicorn under Specgate's bounds.
+
+- The port is bound before the app starts, so a start that cannot listen fails before it
+  writes a `startup` event.
+- A request's headers must arrive within ``header_timeout_s`` (uvicorn bounds only idle
+  keep-alive connections); idle keep-alive connections close after ``keep_alive_timeout_s``;
+  more than ``max_connections`` open connections are answered 503.
+- SIGTERM starts the grace period (``gateway.lifecycle``): no new connections, running
+  generations may finish until ``shutdown_grace_s`` and are ended after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import socket
+from typing import Any
+
+import h11
+import uvicorn
+from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from gateway.settings import Settings
+
+# Seconds uvicorn waits beyond the grace period for ended streams to send their last chunk
+# and record their `completion` event before it cancels what is left.
+SHUTDOWN_MARGIN_S = 5.0
+
+
+class HeaderTimeoutProtocol(H11Protocol):
+    """H11 with a bound on the wait for a request's headers (against slow-header clients)."""
+
+    def __init__(self, *args: Any, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:
+            if self._header_timer is None:
+                self._arm()
+        else:
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._expire)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _expire(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, starting the app's grace period when it is told to stop."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.app = app
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        services = getattr(self.app.state, "services", None)
+        if services is not None:
+            services.lifecycle.begin_shutdown()
+        await super().shutdown(sockets)
+
+
+def uvicorn_config(app: FastAPI, settings: Settings, **extra: Any) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        http=functools.partial(  # type: ignore[arg-type]
+            HeaderTimeoutProtocol, header_timeout_s=settings.header_timeout_s
+        ),
+        timeout_keep_alive=settings.keep_alive_timeout_s,
+        limit_concurrency=settings.max_connections,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s + SHUTDOWN_MARGIN_S),
+        **extra,
+    )
+
+
+def bind(settings: Settings) -> socket.socket:
+    """The listening socket; raises OSError (port in use, no permission) before any start."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        listener.bind((settings.host, settings.port))
+    except OSError:
+        listener.close()
+        raise
+    listener.set_inheritable(True)
+    return listener

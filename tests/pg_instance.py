@@ -1,0 +1,100 @@
+"""A PostgreSQL server of the test's own (initdb into a temporary directory, its own port), so
+that a test can stall it (SIGSTOP/SIGCONT), stop it and start it again without touching the
+shared server."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+def _as_owner(command: list[str]) -> list[str]:
+    """PostgreSQL refuses to run as root: there, run it as the ``postgres`` user."""
+    if os.geteuid() == 0:
+        return ["runuser", "-u", "postgres", "--", *command]
+    return command
+
+
+class PgInstance:
+    def __init__(self, port: int) -> None:
+        root = Path(tempfile.mkdtemp(prefix=f"specgate-pg{port}-"))
+        if os.geteuid() == 0:
+            os.chown(root, pwd.getpwnam("postgres").pw_uid, -1)
+        self.root = root
+        self.data = root / "pgdata"
+        self.socket_dir = root / "pgsock"
+        self.port = port
+        self.log = root / "postgres.log"
+
+    @property
+    def server_url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}"
+
+    def init(self) -> None:
+        subprocess.run(_as_owner(["mkdir", "-p", str(self.socket_dir)]), check=True)
+        subprocess.run(
+            _as_owner(
+                [str(PG_BIN / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust"]
+            ),
+            check=True,
+            capture_output=True,
+        )
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.socket_dir} -c listen_addresses=127.0.0.1 -c fsync=off"
+        subprocess.run(
+            _as_owner([str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.log),
+                       "-o", options, "-w", "start"]),
+            check=True,
+            capture_output=True,
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        subprocess.run(
+            _as_owner(
+                [str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"]
+            ),
+            check=False,
+            capture_output=True,
+        )
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def create_database(self, name: str) -> str:
+        with psycopg.connect(f"{self.server_url}/postgres", autocommit=True) as admin:
+            admin.execute(f'CREATE DATABASE "{name}"')
+        return f"{self.server_url}/{name}"
+
+    def _pids(self) -> list[int]:
+        """The postmaster and its children (backends, background workers)."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        pids = [postmaster]
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == postmaster:
+                    pids.append(int(entry.name))
+        return pids
+
+    def pause(self) -> None:
+        for pid in self._pids():
+            os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pid in self._pids():
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.1)

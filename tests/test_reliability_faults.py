@@ -1,0 +1,445 @@
+"""Faults: a PostgreSQL server that stalls (SIGSTOP) or stops, a gateway killed with SIGKILL,
+a gateway told to stop (SIGTERM) with streams in flight. Each must end in bounded answers and
+a complete, verifying audit log.
+
+The stall and outage tests run their own PostgreSQL on port 55450 (data directory under the
+test's tmp path). Bounds are stated with their margins for a busy 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from engine.types import FallbackEvent
+from gateway.audit.log import AuditLog
+from gateway.audit.schema import audit_events
+from gateway.db import make_db_engine, upgrade_database
+from gateway.keys import KeyStore
+from gateway.recording import fallback_recorder
+from gateway.spool import EventSpool
+from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
+from tests.pg_instance import PgInstance
+from tests.tiny_models import build_pair
+
+MODEL = "target"
+PG_PORT = 55450
+AUDIT_TIMEOUT_S = 2.0
+# A 503 must come within the audit bound plus the connect timeout's worth of slack.
+ANSWER_BOUND_S = AUDIT_TIMEOUT_S + 3.0
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+LONG = {**CHAT, "max_tokens": 300, "temperature": 0, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return build_pair(tmp_path_factory.mktemp("fault-models"))
+
+
+@pytest.fixture(scope="module")
+def own_pg() -> Iterator[PgInstance]:
+    instance = PgInstance(PG_PORT)
+    instance.init()
+    instance.start()
+    try:
+        yield instance
+    finally:
+        instance.resume()
+        instance.stop()
+        instance.remove()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    own_pg: PgInstance, models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveGateway]:
+    url = own_pg.create_database("faults")
+    settings = gateway_settings(
+        models,
+        tmp_path_factory.mktemp("fault-data"),
+        url,
+        audit_timeout_s=AUDIT_TIMEOUT_S,
+        db_connect_timeout_s=2.0,
+        db_statement_timeout_s=2.0,
+        spool_retry_s=0.2,
+    )
+    with live_gateway(settings, "faults") as live:
+        yield live
+
+
+def _headers(gateway: LiveGateway, role: str = "app") -> dict[str, str]:
+    return {"authorization": f"Bearer {gateway.keys[role]}"}
+
+
+def _events(db: sa.Engine, kind: str) -> list[sa.Row[Any]]:
+    with db.connect() as connection:
+        query = sa.select(audit_events).where(audit_events.c.kind == kind)
+        return list(connection.execute(query.order_by(audit_events.c.seq)))
+
+
+class Stream:
+    """A streaming request read on its own thread: records its chunks and how it ended."""
+
+    def __init__(self, base_url: str, headers: dict[str, str], body: dict[str, Any]) -> None:
+        self.chunks: list[dict[str, Any]] = []
+        self.done = False
+        self.audit_id: str | None = None
+        self.first_chunk = threading.Event()
+        self.ended = threading.Event()
+        self.ended_at = 0.0
+        self._thread = threading.Thread(target=self._read, args=(base_url, headers, body))
+        self._thread.start()
+
+    def _read(self, base_url: str, headers: dict[str, str], body: dict[str, Any]) -> None:
+        try:
+            with httpx.stream(
+                "POST", base_url + "/v1/chat/completions", json=body, headers=headers, timeout=120
+            ) as response:
+                self.audit_id = response.headers.get("x-specgate-audit-id")
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        self.chunks.append(json.loads(line[6:]))
+                        self.first_chunk.set()
+        except httpx.HTTPError:
+            pass
+        finally:
+            self.ended_at = time.monotonic()
+            self.first_chunk.set()
+            self.ended.set()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        last = self.chunks[-1] if self.chunks else {}
+        return last.get("error")
+
+
+def _wait(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _verify(gateway: LiveGateway) -> None:
+    report = httpx.get(
+        gateway.base_url + "/v1/audit/verify", headers=_headers(gateway, "auditor"), timeout=60
+    ).json()
+    assert report["ok"] is True, report
+
+
+def test_stalled_database_gives_bounded_503s_while_the_engine_keeps_decoding(
+    gateway: LiveGateway, own_pg: PgInstance
+) -> None:
+    services = gateway.services
+    streams = [Stream(gateway.base_url, _headers(gateway), LONG) for _ in range(4)]
+    for stream in streams:
+        assert stream.first_chunk.wait(60)
+    own_pg.pause()
+    paused_at = time.monotonic()
+    try:
+        answers: list[tuple[int, float, str | None]] = []
+
+        def ask() -> None:
+            started = time.monotonic()
+            response = httpx.post(
+                gateway.base_url + "/v1/chat/completions",
+                json=CHAT,
+                headers=_headers(gateway),
+                timeout=60,
+            )
+            code = response.json()["error"]["code"] if response.status_code != 200 else None
+            answers.append((response.status_code, time.monotonic() - started, code))
+
+        askers = [threading.Thread(target=ask) for _ in range(3)]
+        for asker in askers:
+            asker.start()
+        started = time.monotonic()
+        ready = httpx.get(gateway.base_url + "/readyz", timeout=60)
+        ready_s = time.monotonic() - started
+        for asker in askers:
+            asker.join(60)
+        assert ready.status_code == 503 and ready_s < ANSWER_BOUND_S, (ready, ready_s)
+        assert len(answers) == 3
+        for status, seconds, code in answers:
+            assert status == 503 and code == "audit_unavailable", answers
+            assert seconds < ANSWER_BOUND_S, answers
+        # The in-flight streams are decoded to the end during the stall; their completion
+        # events go to the spool, so each stream still ends with [DONE].
+        for stream in streams:
+            assert stream.ended.wait(60)
+            assert stream.done, stream.chunks[-1:]
+        assert all(stream.ended_at - paused_at < 30 for stream in streams)
+        assert services.spool.pending >= len(streams)
+    finally:
+        own_pg.resume()
+    _wait(lambda: services.spool.pending == 0, 60, "the spool to drain")
+    completions = _events(services.db, "completion")
+    for stream in streams:
+        mine = [c for c in completions if c.payload["request_event_id"] == stream.audit_id]
+        assert len(mine) == 1, mine
+        assert mine[0].payload["outcome"] == "ok"
+    # Every request event written (also those answered 503 that committed late) has exactly
+    # one completion.
+    requests = {r.event_id for r in _events(services.db, "request")}
+    answered = [c.payload["request_event_id"] for c in completions]
+    assert sorted(answered) == sorted(set(answered))
+    assert requests == set(answered)
+    assert httpx.get(gateway.base_url + "/readyz", timeout=30).status_code == 200
+    _verify(gateway)
+
+
+def test_completions_and_fallbacks_during_an_outage_are_spooled_and_committed_in_order(
+    gateway: LiveGateway, own_pg: PgInstance
+) -> None:
+    services = gateway.services
+    streams = [Stream(gateway.base_url, _headers(gateway), LONG) for _ in range(2)]
+    for stream in streams:
+        assert stream.first_chunk.wait(60)
+    own_pg.stop()
+    try:
+        started = time.monotonic()
+        record = fallback_recorder(services.spool)
+        record(
+            FallbackEvent(
+                method="draft",
+                model=MODEL,
+                action="disabled",
+                reason="test outage",
+                acceptance_rate=0.1,
+                window_tokens=64,
+                threshold=0.6,
+            )
+        )
+        assert time.monotonic() - started < 0.5  # the engine's thread never waits on the store
+        for stream in streams:
+            assert stream.ended.wait(60)
+            assert stream.done
+        assert services.spool.pending >= 3
+        time.sleep(1.0)  # a measurable delay
+    finally:
+        own_pg.start()
+    _wait(lambda: services.spool.pending == 0, 60, "the spool to drain")
+    completions = _events(services.db, "completion")
+    ids = {stream.audit_id for stream in streams}
+    spooled = [
+        c for c in completions if "spool" in c.payload and c.payload["request_event_id"] in ids
+    ]
+    assert {c.payload["request_event_id"] for c in spooled} == ids
+    assert all(c.payload["spool"]["delay_s"] >= 1.0 for c in spooled)
+    fallback = [f for f in _events(services.db, "fallback") if f.payload["reason"] == "test outage"]
+    assert len(fallback) == 1 and fallback[0].payload["spool"]["delay_s"] >= 1.0
+    seqs = [c.seq for c in spooled] + [fallback[0].seq]
+    spooled_at = [c.payload["spool"]["spooled_at"] for c in spooled] + [
+        fallback[0].payload["spool"]["spooled_at"]
+    ]
+    assert [s for _, s in sorted(zip(spooled_at, seqs, strict=True))] == sorted(seqs)
+    _verify(gateway)
+
+
+def test_a_completion_that_cannot_be_recorded_ends_the_stream_with_an_error_saying_so(
+    gateway: LiveGateway, own_pg: PgInstance, tmp_path: Path
+) -> None:
+    services = gateway.services
+    spool_path = services.spool.path
+    stream = Stream(gateway.base_url, _headers(gateway), LONG)
+    assert stream.first_chunk.wait(60)
+    own_pg.stop()
+    unwritable = tmp_path / "not-a-file"
+    unwritable.mkdir()  # opening a directory for appending fails, even for root
+    services.spool.path = unwritable
+    try:
+        assert stream.ended.wait(60)
+    finally:
+        services.spool.path = spool_path
+        own_pg.start()
+    assert not stream.done
+    assert stream.error is not None and stream.error["code"] == "completion_not_recorded"
+    assert (
+        "not recorded" in stream.error["message"]
+        or "could not be recorded" in (stream.error["message"])
+    )
+    # The text it streamed is the client's; the log shows a request without a completion,
+    # which the next restart of this instance marks `interrupted`.
+    completions = _events(services.db, "completion")
+    assert stream.audit_id not in {c.payload["request_event_id"] for c in completions}
+    _verify(gateway)
+
+
+def test_a_spool_left_by_a_crash_commits_each_event_once(pg_url: str, tmp_path: Path) -> None:
+    db = make_db_engine(pg_url)
+    audit = AuditLog(db)
+    first = EventSpool(tmp_path, audit, db, retry_s=0.1)
+    first.enqueue("fallback", None, {"reason": "committed before the crash"})
+    first.enqueue("fallback", None, {"reason": "never committed"})
+    # The first was committed, then the process died before marking it done.
+    with first.path.open(encoding="utf-8") as lines:
+        entries = [json.loads(line) for line in lines]
+    audit.append(
+        "fallback",
+        None,
+        {
+            **entries[0]["payload"],
+            "spool": {"id": entries[0]["id"], "spooled_at": entries[0]["spooled_at"]},
+        },
+    )
+    second = EventSpool(tmp_path, audit, db, retry_s=0.1)
+    assert second.pending == 2
+    second.drain()
+    reasons = [row.payload["reason"] for row in _events(db, "fallback")]
+    assert reasons == ["committed before the crash", "never committed"]
+    assert EventSpool(tmp_path, audit, db, retry_s=0.1).pending == 0
+    db.dispose()
+
+
+# --- the process: kill -9, failed start, SIGTERM -------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _serve(
+    models: tuple[Path, Path], data: Path, url: str, port: int, **env: str
+) -> subprocess.Popen[bytes]:
+    target, draft = models
+    environment = {
+        **os.environ,
+        "SPECGATE_TARGET": str(target),
+        "SPECGATE_DRAFT": str(draft),
+        "SPECGATE_DEVICE": "cpu",
+        "SPECGATE_DTYPE": "float32",
+        "SPECGATE_DATA_DIR": str(data),
+        "SPECGATE_DATABASE_URL": url,
+        "SPECGATE_PORT": str(port),
+        "SPECGATE_LOG_LEVEL": "warning",
+        **env,
+    }
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "specgate"), "serve"],
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _wait_ready(port: int, process: subprocess.Popen[bytes]) -> None:
+    def ready() -> bool:
+        assert process.poll() is None, process.stderr.read() if process.stderr else b""
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    _wait(ready, 120, "the gateway to be ready")
+
+
+def _app_key(url: str) -> str:
+    db = make_db_engine(url)
+    try:
+        return KeyStore(db, AuditLog(db)).create("app", f"app-{time.monotonic_ns()}", "tests")[1]
+    finally:
+        db.dispose()
+
+
+def test_kill_9_then_restart_marks_the_interrupted_requests(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    with fresh_database() as (_, url):
+        upgrade_database(url)
+        port = _free_port()
+        process = _serve(models, tmp_path / "data", url, port)
+        try:
+            _wait_ready(port, process)
+            headers = {"authorization": f"Bearer {_app_key(url)}"}
+            streams = [Stream(f"http://127.0.0.1:{port}", headers, LONG) for _ in range(6)]
+            assert streams[0].first_chunk.wait(60)
+            _wait(lambda: all(s.audit_id for s in streams), 30, "every request event")
+            process.kill()
+            process.wait(30)
+        finally:
+            process.kill()
+        for stream in streams:
+            stream.join(30)
+        db = make_db_engine(url)
+        answered = {c.payload["request_event_id"] for c in _events(db, "completion")}
+        cut = {s.audit_id for s in streams} - answered
+        assert cut  # some were still running or queued when the process died
+        # A start that cannot bind its port writes no `startup` event.
+        startups = len(_events(db, "startup"))
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            busy = int(taken.getsockname()[1])
+            failed = _serve(models, tmp_path / "data", url, busy)
+            assert failed.wait(120) != 0
+        assert len(_events(db, "startup")) == startups
+        restarted = _serve(models, tmp_path / "data", url, port)
+        try:
+            _wait_ready(port, restarted)
+        finally:
+            restarted.terminate()
+            restarted.wait(60)
+        interrupted = _events(db, "interrupted")
+        assert {e.payload["request_event_id"] for e in interrupted} == cut
+        assert len(interrupted) == len(cut)
+        db.dispose()
+
+
+def test_sigterm_ends_streams_after_the_grace_period_and_records_the_shutdown(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    with fresh_database() as (_, url):
+        upgrade_database(url)
+        port = _free_port()
+        process = _serve(models, tmp_path / "data", url, port, SPECGATE_SHUTDOWN_GRACE_S="1")
+        try:
+            _wait_ready(port, process)
+            headers = {"authorization": f"Bearer {_app_key(url)}"}
+            body = {**LONG, "max_tokens": 400}
+            streams = [Stream(f"http://127.0.0.1:{port}", headers, body) for _ in range(8)]
+            assert streams[0].first_chunk.wait(60)
+            _wait(lambda: all(s.audit_id for s in streams), 30, "every request event")
+            stopped_at = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+            stop_s = time.monotonic() - stopped_at
+        finally:
+            process.kill()
+        for stream in streams:
+            stream.join(30)
+        assert stop_s < 1 + 10, stop_s  # grace, then the cut streams' records and checkpoint
+        ended = [s for s in streams if not s.done]
+        assert ended, "the grace period should end some streams"
+        for stream in ended:
+            assert stream.error is not None and stream.error["code"] == "shutting_down"
+        db = make_db_engine(url)
+        outcomes = {
+            c.payload["request_event_id"]: c.payload["outcome"] for c in _events(db, "completion")
+        }
+        assert {s.audit_id for s in streams} == set(outcomes)
+        assert {outcomes[s.audit_id] for s in ended} == {"shutdown"}
+        (shutdown,) = _events(db, "shutdown")
+        (checkpoint,) = [c for c in _events(db, "checkpoint") if c.seq > shutdown.seq]
+        assert checkpoint.payload["seq"] == shutdown.seq
+        db.dispose()
