@@ -49,11 +49,14 @@ _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
     ("get", "/v1/models/{model}"): (404,),
     ("post", "/v1/admin/keys"): (409, *_BODY),
     ("delete", "/v1/admin/keys/{key}"): (404,),
+    ("get", "/v1/audit/proof/{event_id}"): (404,),
+    ("post", "/v1/audit/cosignature"): _BODY,
 }
 _STRING = {"schema": {"type": "string"}}
 _SUCCESS_CONTENT: dict[tuple[str, str], dict[str, Any]] = {
     ("get", "/v1/audit/export"): {"application/x-ndjson": _STRING, "text/csv": _STRING},
     ("get", "/v1/audit/public-key"): {"application/x-pem-file": _STRING},
+    ("get", "/v1/audit/checkpoint"): {"text/plain": _STRING},
 }
 _STREAMS = {("post", "/v1/chat/completions"), ("post", "/v1/completions")}
 
