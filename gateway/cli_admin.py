@@ -55,7 +55,7 @@ def _key_store(database_url: str | None) -> Iterator[KeyStore]:
     import sqlalchemy as sa
 
     from gateway.audit.log import AuditLog, AuditUnavailableError
-    from gateway.audit.mac import EventMac
+    from gateway.audit.mac import EventMac, MacKeyError
     from gateway.db import is_sqlite, make_db_engine, upgrade_database
     from gateway.keys import KeyStore
     from gateway.settings import load_settings
@@ -66,11 +66,18 @@ def _key_store(database_url: str | None) -> Iterator[KeyStore]:
         if is_sqlite(db):
             # The embedded store migrates itself, as `specgate serve` does.
             upgrade_database(url)
-        # Key events carry the gateway's MAC when its key file is readable here.
+        # Key events carry the gateway's MAC: without it the gateway reports them as forged.
+        # The embedded store shares the gateway's data directory, so the key may start here.
         mac_path = load_settings().audit_mac_key_path
-        yield KeyStore(
-            db, AuditLog(db, mac=EventMac.from_file(mac_path) if mac_path.exists() else None)
+        mac = EventMac.load_or_create(mac_path) if is_sqlite(db) else EventMac.from_file(mac_path)
+        yield KeyStore(db, AuditLog(db, mac=mac))
+    except MacKeyError as error:
+        typer.echo(
+            f"error: {error}; key events must carry the gateway's MAC: run this where the "
+            "gateway's key is readable, or set SPECGATE_AUDIT_MAC_KEY_PATH",
+            err=True,
         )
+        raise typer.Exit(1) from None
     except (sa.exc.SQLAlchemyError, AuditUnavailableError) as error:
         cause = error.__cause__ or error
         detail = str(getattr(cause, "orig", None) or cause).splitlines()[0]

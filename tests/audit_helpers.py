@@ -17,6 +17,7 @@ from gateway.audit.log import AuditLog
 from gateway.cli_admin import audit_app, db_app, keys_app
 from gateway.errors import install_error_handlers
 from gateway.keys import KeyStore
+from gateway.offload import Offload
 from gateway.routes import audit as audit_routes
 
 
@@ -56,5 +57,6 @@ def audit_only_app(audit: AuditLog, keys: KeyStore) -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
     app.include_router(audit_routes.router)
-    app.state.services = SimpleNamespace(audit=audit, keys=keys)
+    offload = Offload(db_threads=4, prepare_threads=1, timeout_s=5.0)
+    app.state.services = SimpleNamespace(audit=audit, keys=keys, offload=offload)
     return app

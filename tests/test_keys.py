@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from gateway.audit.log import AuditLog
+from gateway.audit.mac import EventMac
 from gateway.audit.schema import api_keys
 from gateway.audit.signing import CheckpointSigner
 from gateway.db import make_db_engine
@@ -82,17 +83,30 @@ def test_bootstrap_plaintext_and_bad_input(db: sa.Engine, audit: AuditLog) -> No
         store.revoke("nobody", actor="a")
 
 
-def test_keys_cli_create_list_revoke(db_url: str, db: sa.Engine) -> None:
+def test_keys_cli_refuses_to_write_events_without_the_mac_key(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """An event without the gateway's MAC would read as forged: the CLI refuses to write one."""
+    env = {"SPECGATE_DATABASE_URL": pg_url, "SPECGATE_DATA_DIR": str(tmp_path)}
+    created = CliRunner().invoke(
+        admin_cli(), ["keys", "create", "--role", "app", "--name", "crm"], env=env
+    )
+    assert created.exit_code == 1
+    assert "MAC key" in created.output and "SPECGATE_AUDIT_MAC_KEY_PATH" in created.output
+
+
+def test_keys_cli_create_list_revoke(db_url: str, db: sa.Engine, tmp_path: Path) -> None:
     cli, runner = admin_cli(), CliRunner()
-    env = {"SPECGATE_DATABASE_URL": db_url}
+    mac = EventMac.load_or_create(tmp_path / "audit-mac-key")
+    env = {"SPECGATE_DATABASE_URL": db_url, "SPECGATE_DATA_DIR": str(tmp_path)}
     created = runner.invoke(cli, ["keys", "create", "--role", "app", "--name", "crm"], env=env)
     assert created.exit_code == 0, created.output
     plaintext = created.stdout.strip()
-    store = KeyStore(db, AuditLog(db))
+    store = KeyStore(db, AuditLog(db, mac=mac))
     principal = store.authenticate(plaintext)
     assert principal is not None and (principal.name, principal.role) == ("crm", "app")
 
-    listed = runner.invoke(cli, ["keys", "list", "--database-url", db_url])
+    listed = runner.invoke(cli, ["keys", "list", "--database-url", db_url], env=env)
     assert listed.exit_code == 0
     assert principal.key_id in listed.stdout and "crm" in listed.stdout
     assert plaintext not in listed.stdout

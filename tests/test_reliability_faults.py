@@ -26,6 +26,7 @@ import sqlalchemy as sa
 
 from engine.types import FallbackEvent
 from gateway.audit.log import AuditLog
+from gateway.audit.mac import EventMac
 from gateway.audit.schema import audit_events
 from gateway.db import make_db_engine, upgrade_database
 from gateway.keys import KeyStore
@@ -354,10 +355,13 @@ def _wait_ready(port: int, process: subprocess.Popen[bytes]) -> None:
     _wait(ready, 120, "the gateway to be ready")
 
 
-def _app_key(url: str) -> str:
+def _app_key(url: str, data: Path) -> str:
+    """An app key whose `key_created` event carries the MAC of the gateway serving ``data``
+    (without it the gateway's own check rightly reports the event as forged)."""
     db = make_db_engine(url)
     try:
-        return KeyStore(db, AuditLog(db)).create("app", f"app-{time.monotonic_ns()}", "tests")[1]
+        audit = AuditLog(db, mac=EventMac.from_file(data / "audit-mac-key"))
+        return KeyStore(db, audit).create("app", f"app-{time.monotonic_ns()}", "tests")[1]
     finally:
         db.dispose()
 
@@ -371,7 +375,7 @@ def test_kill_9_then_restart_marks_the_interrupted_requests(
         process = _serve(models, tmp_path / "data", url, port)
         try:
             _wait_ready(port, process)
-            headers = {"authorization": f"Bearer {_app_key(url)}"}
+            headers = {"authorization": f"Bearer {_app_key(url, tmp_path / 'data')}"}
             streams = [Stream(f"http://127.0.0.1:{port}", headers, LONG) for _ in range(6)]
             assert streams[0].first_chunk.wait(60)
             _wait(lambda: all(s.audit_id for s in streams), 30, "every request event")
@@ -415,7 +419,7 @@ def test_sigterm_ends_streams_after_the_grace_period_and_records_the_shutdown(
         process = _serve(models, tmp_path / "data", url, port, SPECGATE_SHUTDOWN_GRACE_S="1")
         try:
             _wait_ready(port, process)
-            headers = {"authorization": f"Bearer {_app_key(url)}"}
+            headers = {"authorization": f"Bearer {_app_key(url, tmp_path / 'data')}"}
             body = {**LONG, "max_tokens": 400}
             streams = [Stream(f"http://127.0.0.1:{port}", headers, body) for _ in range(8)]
             assert streams[0].first_chunk.wait(60)
@@ -440,6 +444,8 @@ def test_sigterm_ends_streams_after_the_grace_period_and_records_the_shutdown(
         assert {s.audit_id for s in streams} == set(outcomes)
         assert {outcomes[s.audit_id] for s in ended} == {"shutdown"}
         (shutdown,) = _events(db, "shutdown")
-        (checkpoint,) = [c for c in _events(db, "checkpoint") if c.seq > shutdown.seq]
-        assert checkpoint.payload["seq"] == shutdown.seq
+        after = [c for c in _events(db, "checkpoint") if c.seq > shutdown.seq]
+        assert len(after) == 1, process.stderr.read().decode() if process.stderr else ""
+        (checkpoint,) = after
+        assert checkpoint.payload["size"] == shutdown.seq
         db.dispose()
