@@ -74,13 +74,22 @@ def alembic_config() -> Config:
     return config
 
 
+class MigrationFailedError(RuntimeError):
+    """A migration could not be applied; the message is one line naming the problem."""
+
+
 def upgrade_database(url: str) -> None:
-    """Apply all migrations (``alembic upgrade head``) to the database at ``url``."""
+    """Apply all migrations (``alembic upgrade head``) to the database at ``url``; raises
+    MigrationFailedError when one fails (a refused adoption, an unreachable database)."""
     db = make_db_engine(url)
     try:
         with db.connect() as connection:
             config = alembic_config()
             config.attributes["connection"] = connection
             command.upgrade(config, "head")
+    except Exception as exc:
+        # SQLAlchemy's messages run over several lines; the first names the problem.
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise MigrationFailedError(f"database migration failed: {detail}") from exc
     finally:
         db.dispose()

@@ -35,6 +35,7 @@ from gateway.audit.signing import CheckpointSigner
 from gateway.audit.verify import verify_export
 from gateway.db import alembic_config, make_db_engine, upgrade_database
 from tests.conftest import PG_SERVER
+from tests.tiny_models import build_pair
 
 LEGACY = 9  # events written at revision 0001, one of them a 0001-style checkpoint
 MAC = EventMac(b"k" * 32)
@@ -312,9 +313,10 @@ def test_a_broken_legacy_chain_is_refused_naming_the_seq(old_url: str) -> None:
         upgrade_database(old_url)
 
 
-def test_serve_names_a_failed_migration_in_one_line(old_url: str) -> None:
+def test_serve_names_a_failed_migration_in_one_line(old_url: str, tmp_path: Path) -> None:
     if not old_url.startswith("sqlite"):
         pytest.skip("one dialect is enough for the CLI's message")
+    target, _ = build_pair(tmp_path / "models")
     write_revision_0001_log(old_url)
     db = make_db_engine(old_url)
     with db.begin() as connection:
@@ -325,9 +327,14 @@ def test_serve_names_a_failed_migration_in_one_line(old_url: str) -> None:
     db.dispose()
     from gateway.cli import app
 
-    result = CliRunner().invoke(app, ["serve", "--database-url", old_url])
+    result = CliRunner().invoke(
+        app, ["serve", "--database-url", old_url, "--target", str(target), "--method", "none"]
+    )
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1, result.output
     assert "migration" in lines[0] and "event 4" in lines[0]
     assert "Traceback" not in result.output
+    upgrade = CliRunner().invoke(app, ["db", "upgrade", "--database-url", old_url])
+    assert upgrade.exit_code == 1
+    assert upgrade.output.strip().count("\n") == 0 and "event 4" in upgrade.output
