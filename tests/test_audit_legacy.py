@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ from gateway.audit.log import (
     record_from_row,
 )
 from gateway.audit.mac import EventMac
-from gateway.audit.merkle import leaf_hash, perfect_pieces, range_hash, reference_root
+from gateway.audit.merkle import CompactRange, leaf_hash, perfect_pieces, range_hash, reference_root
 from gateway.audit.schema import audit_events, audit_head, audit_merkle_nodes
 from gateway.audit.signing import CheckpointSigner
 from gateway.audit.verify import verify_export
@@ -135,9 +136,13 @@ def upgraded(old_url: str, tmp_path: Path) -> Iterator[Upgraded]:
     db.dispose()
 
 
+def _rows_in(connection: sa.Connection) -> list[Any]:
+    return list(connection.execute(sa.select(audit_events).order_by(audit_events.c.seq)))
+
+
 def _rows(db: sa.Engine) -> list[Any]:
     with db.connect() as connection:
-        return list(connection.execute(sa.select(audit_events).order_by(audit_events.c.seq)))
+        return _rows_in(connection)
 
 
 def test_migration_builds_the_tree_an_append_of_the_events_would_have(upgraded: Upgraded) -> None:
@@ -197,8 +202,59 @@ def _as_attacker(connection: sa.Connection) -> None:
     if connection.dialect.name == "postgresql":
         connection.exec_driver_sql("SET session_replication_role = replica")
     else:
-        for name in ("update", "delete"):
-            connection.exec_driver_sql(f"DROP TRIGGER IF EXISTS audit_events_no_{name}")
+        for table in ("audit_events", "audit_merkle_nodes"):
+            for name in ("update", "delete"):
+                connection.exec_driver_sql(f"DROP TRIGGER IF EXISTS {table}_no_{name}")
+
+
+def _rewrite_consistently(db: sa.Engine, seq: int, payload: dict[str, Any]) -> None:
+    """Change event ``seq``'s payload and recompute every chain hash, the whole tree and the
+    head row (MACs stay as they were: no key)."""
+    with db.begin() as connection:
+        _as_attacker(connection)
+        rows = [dict(row._mapping) for row in _rows_in(connection)]
+        rows[seq - 1]["payload"] = payload
+        frontier, prev, nodes = CompactRange(), GENESIS_HASH, []
+        for row in rows:
+            row["prev_hash"] = prev
+            data = record_from_row(SimpleNamespace(**row)).canonical_bytes()  # type: ignore[arg-type]
+            row["event_hash"] = prev = hashlib.sha256(data).hexdigest()
+            nodes += [
+                {"level": n[0], "idx": n[1], "hash": h}
+                for n, h in frontier.append(leaf_hash(data))
+                if n[0]
+            ]
+        connection.execute(sa.delete(audit_events))
+        connection.execute(sa.delete(audit_merkle_nodes))
+        connection.execute(sa.insert(audit_events), rows)
+        connection.execute(sa.insert(audit_merkle_nodes), nodes)
+        connection.execute(
+            sa.update(audit_head).values(
+                tree_size=frontier.size, head_hash=prev, frontier=b"".join(frontier.hashes)
+            )
+        )
+
+
+def test_a_consistent_rewrite_of_legacy_events_after_a_checkpoint_is_detected(
+    upgraded: Upgraded,
+) -> None:
+    upgraded.gateway.append("request", "key_new", {"user": "new"})
+    trusted = str(upgraded.gateway.checkpoint()["note"])
+    _rewrite_consistently(upgraded.db, 3, {"seq_was": 3, "user": "nobody"})
+    lines = upgraded._signed_as_found()
+    for mac in (MAC, None):
+        report = verify_export(
+            lines, upgraded.signer.public_key_pem(), mac=mac, trusted_checkpoint=trusted
+        )
+        assert not report.ok
+        assert report.first_bad_seq == 1  # no MAC names event 3: the legacy run is named
+    assert (
+        "MAC-less events 1..9"
+        in verify_export(lines, upgraded.signer.public_key_pem(), mac=MAC).reason
+    )
+    with pytest.raises(TamperDetectedError) as caught:
+        upgraded.gateway.checkpoint()
+    assert caught.value.first_bad_seq == 1
 
 
 def _forge_at_head(db: sa.Engine, count: int = 1) -> int:

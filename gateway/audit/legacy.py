@@ -62,6 +62,13 @@ class LegacyPrefix:
         mac = self._mac
         has_mac = record.mac is not None
         if mac is not None and has_mac and not mac.valid(record.canonical_bytes(), record.mac):
+            if self.pending_from is not None and not self.closed:
+                # Its MAC covers prev_hash: it seals the chain of the MAC-less run before it.
+                return self.pending_from, (
+                    f"event {record.seq} has a MAC that does not verify and is the first after "
+                    f"the MAC-less events {self.pending_from}..{record.seq - 1}: those were "
+                    f"rewritten (chain recomputed), or event {record.seq} was altered"
+                )
             return record.seq, _forged(record, "has a MAC that does not verify")
         if record.kind == LEGACY_KIND:
             return self._declaration(record)
