@@ -7,6 +7,7 @@ accepts MAC-less events only before that declaration. On PostgreSQL and SQLite.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from gateway.db import alembic_config, make_db_engine, upgrade_database
 from tests.conftest import PG_SERVER
 from tests.tiny_models import build_pair
 
+ADOPT_PAGE = importlib.import_module("migrations.versions.0002_merkle_tree_mac_roles").ADOPT_PAGE
 LEGACY = 9  # events written at revision 0001, one of them a 0001-style checkpoint
 MAC = EventMac(b"k" * 32)
 
@@ -57,12 +59,13 @@ def write_revision_0001_log(url: str, count: int = LEGACY) -> None:
         config.attributes["connection"] = connection
         command.upgrade(config, "0001")
         prev, start = GENESIS_HASH, datetime(2026, 11, 30, 8, 0, tzinfo=UTC)
+        rows: list[dict[str, Any]] = []
         for seq in range(1, count + 1):
             kind, payload = "request", {"seq_was": seq, "user": f"user-{seq}"}
             if seq == 5:
                 kind, payload = "checkpoint", {"seq": 4, "head_hash": prev, "signature": "c2ln"}
             created_at = start + timedelta(seconds=seq)
-            row: dict[str, Any] = {
+            row = {
                 "seq": seq,
                 "event_id": str(uuid.UUID(int=seq)),
                 "kind": kind,
@@ -72,9 +75,8 @@ def write_revision_0001_log(url: str, count: int = LEGACY) -> None:
             }
             data = event_bytes(**row, created_at=format_timestamp(created_at))
             prev = hashlib.sha256(data).hexdigest()
-            connection.execute(
-                sa.insert(events), [{**row, "created_at": created_at, "event_hash": prev}]
-            )
+            rows.append({**row, "created_at": created_at, "event_hash": prev})
+        connection.execute(sa.insert(events), rows)
     db.dispose()
 
 
@@ -169,6 +171,26 @@ def test_migration_builds_the_tree_an_append_of_the_events_would_have(upgraded: 
         for idx in range(LEGACY >> level)
     }
     assert nodes == expected
+
+
+def test_a_log_longer_than_a_page_is_adopted_page_by_page(old_url: str, tmp_path: Path) -> None:
+    count = 2 * ADOPT_PAGE + 3
+    write_revision_0001_log(old_url, count)
+    upgrade_database(old_url)
+    db = make_db_engine(old_url)
+    rows = _rows(db)
+    leaves = [leaf_hash(record_from_row(row).canonical_bytes()) for row in rows]
+    with db.connect() as connection:
+        head = connection.execute(sa.select(audit_head)).one()
+        stored = read_nodes(connection, set(perfect_pieces(0, count)))
+        node_count = connection.execute(sa.select(sa.func.count()).select_from(audit_merkle_nodes))
+        assert node_count.scalar_one() == count - count.bit_count()  # every complete node
+    assert range_hash(0, count, stored.__getitem__) == reference_root(leaves)
+    assert _frontier(head.tree_size, head.frontier).root() == reference_root(leaves)
+    gateway = AuditLog(db, CheckpointSigner.load_or_create(tmp_path / "k.pem"), MAC)
+    gateway.append("request", "key_new", {"user": "new"})
+    assert gateway.verify().ok
+    db.dispose()
 
 
 def test_upgraded_log_appends_and_verifies_with_the_mac_key(upgraded: Upgraded) -> None:
