@@ -10,7 +10,7 @@ import hashlib
 import importlib
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,10 +19,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from alembic import command
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from gateway.audit.canonical import GENESIS_HASH, event_bytes, format_timestamp
-from gateway.audit.legacy import LEGACY_KIND
+from gateway.audit.legacy import LEGACY_KIND, LegacyPrefix, declaration_payload
 from gateway.audit.log import (
     AuditLog,
     TamperDetectedError,
@@ -32,6 +34,7 @@ from gateway.audit.log import (
 )
 from gateway.audit.mac import EventMac
 from gateway.audit.merkle import CompactRange, leaf_hash, perfect_pieces, range_hash, reference_root
+from gateway.audit.records import EventRecord
 from gateway.audit.schema import audit_events, audit_head, audit_merkle_nodes
 from gateway.audit.signing import CheckpointSigner
 from gateway.audit.verify import verify_export
@@ -416,3 +419,59 @@ def test_serve_names_a_failed_migration_in_one_line(old_url: str, tmp_path: Path
     upgrade = CliRunner().invoke(app, ["db", "upgrade", "--database-url", old_url])
     assert upgrade.exit_code == 1
     assert upgrade.output.strip().count("\n") == 0 and "event 4" in upgrade.output
+
+
+def _synthetic_log(legacy: int, after: int) -> list[EventRecord]:
+    """``legacy`` MAC-less events, the declaration (if any legacy), ``after`` MAC'd events."""
+    records = []
+    for seq in range(1, legacy + after + (legacy > 0) + 1):
+        kind, payload = "request", {"i": seq}
+        if legacy and seq == legacy + 1:
+            kind, payload = LEGACY_KIND, declaration_payload(legacy)
+        record = EventRecord(
+            seq,
+            str(uuid.UUID(int=seq)),
+            "2026-12-01T00:00:00.000000+00:00",
+            kind,
+            None,
+            payload,
+            GENESIS_HASH,
+            "",
+        )
+        if seq > legacy:
+            record = replace(record, mac=MAC.mac(record.canonical_bytes()))
+        records.append(record)
+    return records
+
+
+def _first_problem(records: list[EventRecord], start: int) -> int | None:
+    macs = LegacyPrefix(MAC)
+    for record in records[start - 1 :]:
+        problem = macs.event(record)
+        if problem is not None:
+            return problem[0]
+    finished = macs.finish(len(records))
+    return finished[0] if finished else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    legacy=st.integers(0, 12),
+    after=st.integers(0, 12),
+    data=st.data(),
+)
+def test_a_stripped_mac_past_the_legacy_range_is_named_wherever_the_walk_starts(
+    legacy: int, after: int, data: st.DataObject
+) -> None:
+    records = _synthetic_log(legacy, after)
+    if not records:
+        return
+    size = len(records)
+    intact_start = data.draw(st.integers(1, size), label="start")
+    assert _first_problem(records, intact_start) is None
+    if size == legacy:
+        return
+    stripped = data.draw(st.integers(legacy + 1, size), label="stripped seq")
+    records[stripped - 1] = replace(records[stripped - 1], mac=None)
+    start = data.draw(st.integers(1, stripped), label="start")
+    assert _first_problem(records, start) == stripped
