@@ -3,7 +3,8 @@ and, for the per-event MACs, the MAC key; never the server or its database
 (``specgate audit verify``). Standard library plus ``cryptography`` only.
 
 What it checks: every line's canonical form; a gapless sequence; every event's chain hash
-and prev_hash link; every event's MAC (with the key); every ``checkpoint`` event inside the
+and prev_hash link; every event's MAC (with the key; MAC-less legacy events from before
+revision 0002 only where ``legacy`` allows them); every ``checkpoint`` event inside the
 export against the tree recomputed at its size; the closing signed checkpoint against the
 tree of the exported events plus the subtrees the export carries; and, given a checkpoint the
 auditor already trusts, that the exported tree extends it (same root at its size, or an RFC
