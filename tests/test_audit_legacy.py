@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -16,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 import sqlalchemy as sa
 from alembic import command
@@ -34,11 +36,13 @@ from gateway.audit.log import (
 )
 from gateway.audit.mac import EventMac
 from gateway.audit.merkle import CompactRange, leaf_hash, perfect_pieces, range_hash, reference_root
+from gateway.audit.receipt import verify_receipt
 from gateway.audit.records import EventRecord
 from gateway.audit.schema import audit_events, audit_head, audit_merkle_nodes
 from gateway.audit.signing import CheckpointSigner
 from gateway.audit.verify import verify_export
 from gateway.db import alembic_config, make_db_engine, upgrade_database
+from tests.api_harness import gateway_settings, live_gateway
 from tests.conftest import PG_SERVER
 from tests.tiny_models import build_pair
 
@@ -394,9 +398,8 @@ def test_a_broken_legacy_chain_is_refused_naming_the_seq(old_url: str) -> None:
         upgrade_database(old_url)
 
 
-def test_serve_names_a_failed_migration_in_one_line(old_url: str, tmp_path: Path) -> None:
-    if not old_url.startswith("sqlite"):
-        pytest.skip("one dialect is enough for the CLI's message")
+def test_serve_names_a_failed_migration_in_one_line(tmp_path: Path) -> None:
+    old_url = f"sqlite:///{tmp_path / 'old.db'}"
     target, _ = build_pair(tmp_path / "models")
     write_revision_0001_log(old_url)
     db = make_db_engine(old_url)
@@ -475,3 +478,41 @@ def test_a_stripped_mac_past_the_legacy_range_is_named_wherever_the_walk_starts(
     records[stripped - 1] = replace(records[stripped - 1], mac=None)
     start = data.draw(st.integers(1, stripped), label="start")
     assert _first_problem(records, start) == stripped
+
+
+def test_an_upgraded_0001_store_serves_requests_with_receipts_and_verifies(
+    old_url: str, tmp_path: Path
+) -> None:
+    """The gateway itself migrates a store left by revision 0001 at startup, serves, and its
+    whole log (legacy events included) verifies over HTTP and offline."""
+    write_revision_0001_log(old_url)
+    models = build_pair(tmp_path / "models")
+    settings = gateway_settings(models, tmp_path / "data", old_url, migrate=True)
+    with live_gateway(settings, "legacy") as live:
+        auditor = {"authorization": f"Bearer {live.keys['auditor']}"}
+        response = httpx.post(
+            live.base_url + "/v1/chat/completions",
+            json={
+                "model": "target",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+            },
+            headers={"authorization": f"Bearer {live.keys['app']}"},
+            timeout=60,
+        )
+        assert response.status_code == 200
+        assert int(response.headers["x-specgate-audit-leaf-index"]) > LEGACY
+        verify = httpx.get(live.base_url + "/v1/audit/verify", headers=auditor, timeout=60)
+        assert verify.status_code == 200 and verify.json()["ok"], verify.text
+        legacy_id = str(uuid.UUID(int=3))
+        proof = httpx.get(live.base_url + f"/v1/audit/proof/{legacy_id}", headers=auditor)
+        assert proof.status_code == 200
+        pem = live.services.signer.public_key_pem()
+        assert verify_receipt(proof.json(), pem).startswith("event 3 ")
+        export = httpx.get(live.base_url + "/v1/audit/export", headers=auditor, timeout=60)
+        assert export.status_code == 200
+        lines = export.text.splitlines(keepends=True)
+        report = verify_export(lines, pem, mac=live.services.audit.mac)
+        assert report.ok, report.reason
+        kinds = [json.loads(line).get("kind") for line in lines]
+        assert kinds[LEGACY + 1] == LEGACY_KIND
