@@ -29,6 +29,7 @@ from gateway.audit.canonical import GENESIS_HASH, event_bytes, format_timestamp
 from gateway.audit.legacy import LEGACY_KIND, LegacyPrefix, declaration_payload
 from gateway.audit.log import (
     AuditLog,
+    AuditUnavailableError,
     TamperDetectedError,
     _frontier,
     read_nodes,
@@ -215,6 +216,16 @@ def test_upgraded_log_appends_and_verifies_with_the_mac_key(upgraded: Upgraded) 
     assert report.events_checked == LEGACY + 3  # the declaration, the request, the checkpoint
     assert upgraded.gateway.verify().ok
     assert upgraded.fresh_replica().verify().ok  # the whole log from seq 1, by the gateway
+
+
+def test_a_writer_without_the_mac_key_cannot_write_the_declaration(upgraded: Upgraded) -> None:
+    """Say the key CLI on a host without the MAC key runs before the gateway: refused, and
+    nothing is written, so the gateway still writes a MAC'd declaration afterwards."""
+    with pytest.raises(AuditUnavailableError, match="must carry a MAC"):
+        AuditLog(upgraded.db).append("key", "cli:root", {"action": "created"})
+    assert len(_rows(upgraded.db)) == LEGACY
+    upgraded.gateway.append("request", "key_new", {"user": "new"})
+    assert _rows(upgraded.db)[LEGACY].kind == LEGACY_KIND
 
 
 def test_an_export_of_legacy_events_only_reaches_the_declaration(upgraded: Upgraded) -> None:

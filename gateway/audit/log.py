@@ -170,6 +170,12 @@ def _insert(
     first (and only returns the caller's events)."""
     head = lock_head(connection, lock_timeout_s)
     declare = legacy_declaration_due(connection, head)
+    if declare and mac is None:
+        # A MAC-less declaration would leave the legacy range unverifiable for good.
+        raise AuditUnavailableError(
+            f"this log holds {head.legacy_size} legacy events and the first event after them "
+            "must carry a MAC: append with the gateway's MAC key (start `specgate serve`)"
+        )
     if declare:
         events = [(LEGACY_KIND, "specgate", declaration_payload(head.legacy_size)), *events]
     frontier = _frontier(head.tree_size, head.frontier)
