@@ -65,6 +65,7 @@ REFUSED_TO_WRITER = [
     "DELETE FROM audit_merkle_nodes",
     "TRUNCATE audit_merkle_nodes",
     "DELETE FROM audit_head",
+    "UPDATE audit_head SET legacy_size = 100",
     "DROP TABLE audit_events",
     "ALTER TABLE audit_events OWNER TO CURRENT_USER",
     "UPDATE api_keys SET role = 'admin'",
