@@ -94,9 +94,13 @@ def _key_store(database_url: str | None) -> Iterator[KeyStore]:
 @db_app.command("upgrade")
 def db_upgrade(database_url: DatabaseUrl = None) -> None:
     """Create or migrate the database schema to the newest version."""
-    from gateway.db import upgrade_database
+    from gateway.db import MigrationFailedError, upgrade_database
 
-    upgrade_database(_resolve_url(database_url))
+    try:
+        upgrade_database(_resolve_url(database_url))
+    except MigrationFailedError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
     typer.echo("database is up to date")
 
 

@@ -66,6 +66,16 @@ def serve(
         typer.echo(f"specgate serve: {error}", err=True)
         raise typer.Exit(2) from None
 
+    from gateway.db import MigrationFailedError, normalise_url, upgrade_database
+
+    url = normalise_url(settings.database_url)
+    if settings.migrate or url.startswith("sqlite"):  # here, so a failure is one clear line
+        try:
+            upgrade_database(url)
+        except MigrationFailedError as error:
+            typer.echo(f"specgate serve: {error}", err=True)
+            raise typer.Exit(2) from None
+
     from gateway.app import create_app
     from gateway.observability.logging import configure_logging
 

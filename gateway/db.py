@@ -108,10 +108,15 @@ def alembic_config() -> Config:
     return config
 
 
+class MigrationFailedError(RuntimeError):
+    """A migration could not be applied; the message is one line naming the problem."""
+
+
 def upgrade_database(url: str) -> None:
     """Apply all migrations (``alembic upgrade head``) to the database at ``url``. On PostgreSQL
     a session advisory lock is held throughout, so that concurrent upgrades (two pods, a job
-    and a pod) run one after the other instead of racing to create the same tables."""
+    and a pod) run one after the other instead of racing to create the same tables. Raises
+    MigrationFailedError when one fails (a refused adoption, an unreachable database)."""
     db = make_db_engine(url)
     try:
         with db.connect() as connection:
@@ -128,5 +133,9 @@ def upgrade_database(url: str) -> None:
                     connection.rollback()
                     connection.execute(sa.select(sa.func.pg_advisory_unlock(MIGRATION_LOCK_KEY)))
                     connection.commit()
+    except Exception as exc:
+        # SQLAlchemy's messages run over several lines; the first names the problem.
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise MigrationFailedError(f"database migration failed: {detail}") from exc
     finally:
         db.dispose()

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.audit.canonical import event_bytes, format_timestamp, normalise_payload
+from gateway.audit.legacy import LEGACY_KIND, LegacyPrefix, declaration_payload
 from gateway.audit.mac import EventMac
 from gateway.audit.merkle import (
     CompactRange,
@@ -164,9 +165,22 @@ def _insert(
     mac: EventMac | None,
     lock_timeout_s: float,
 ) -> tuple[list[AppendedEvent], CompactRange]:
-    """``insert_events``, also returning the compact range of the tree after the events."""
+    """``insert_events``, also returning the compact range of the tree after the events.
+    The first append after migration 0002 adopted a legacy log writes the legacy declaration
+    first (and only returns the caller's events)."""
     head = lock_head(connection, lock_timeout_s)
+    declare = legacy_declaration_due(connection, head)
+    if declare and mac is None:
+        # A MAC-less declaration would leave the legacy range unverifiable for good.
+        raise AuditUnavailableError(
+            f"this log holds {head.legacy_size} legacy events and the first event after them "
+            "must carry a MAC: append with the gateway's MAC key (start `specgate serve`)"
+        )
+    if declare:
+        events = [(LEGACY_KIND, "specgate", declaration_payload(head.legacy_size)), *events]
     frontier = _frontier(head.tree_size, head.frontier)
+    if not events:
+        return [], frontier
     seq, prev_hash = head.tree_size, head.head_hash
     rows: list[dict[str, Any]] = []
     nodes: list[dict[str, Any]] = []
@@ -205,7 +219,16 @@ def _insert(
         .where(audit_head.c.id == 1)
         .values(tree_size=seq, head_hash=prev_hash, frontier=b"".join(frontier.hashes))
     )
-    return appended, frontier
+    return appended[1:] if declare else appended, frontier
+
+
+def legacy_declaration_due(connection: sa.Connection, head: sa.Row[Any]) -> bool:
+    """Whether nothing was appended since migration 0002 adopted ``legacy_size`` events, and
+    no declaration exists yet (a head row widened later must not earn a second one)."""
+    if not 0 < head.legacy_size == head.tree_size:
+        return False
+    declared = sa.select(audit_events.c.seq).where(audit_events.c.kind == LEGACY_KIND).limit(1)
+    return connection.execute(declared).first() is None
 
 
 def record_from_row(row: sa.Row[Any]) -> EventRecord:
@@ -412,6 +435,7 @@ class AuditLog:
 
     def _checkpoint(self) -> dict[str, Any]:
         signer = self.signer
+        self._adopt_legacy()
         # The bulk of the check runs without the append lock; only the tail under it.
         with self._db.connect() as connection:
             size = connection.execute(sa.select(audit_head.c.tree_size)).scalar_one()
@@ -439,6 +463,14 @@ class AuditLog:
         except OSError as error:  # kept in memory; after a restart an older state is checked
             log.error("checkpoint_state_not_saved", path=str(self._state_path), error=str(error))
         return payload
+
+    def _adopt_legacy(self) -> None:
+        """Write the legacy declaration if it is due, so that the checkpoint covers it."""
+        with self._db.connect() as connection:
+            head = connection.execute(sa.select(audit_head)).one()
+        if 0 < head.legacy_size == head.tree_size:
+            with write_connection(self._db) as connection, connection.begin():
+                insert_events(connection, [], self._mac, self._lock_timeout_s)
 
     def _extend(self, connection: sa.Connection, state: SignedState, size: int) -> SignedState:
         """``state`` extended by the events after it up to ``size``, each checked (sequence,
@@ -470,10 +502,11 @@ class AuditLog:
                     before=trusted,
                 )
 
+        macs = LegacyPrefix(self._mac)
         for row in connection.execute(query.execution_options(yield_per=2000)):
             record = record_from_row(row)
             expected = frontier.size + 1
-            problem = event_problem(record, expected, previous_hash, self._mac)
+            problem = event_problem(record, expected, previous_hash, macs)
             data = record.canonical_bytes()
             if problem is not None:
                 raise self._located(connection, problem[1], problem[0], before=trusted)
@@ -481,6 +514,9 @@ class AuditLog:
             frontier.append(leaf_hash(data))
             previous_hash = record.event_hash
         check_appended()
+        unclosed = macs.finish(frontier.size)
+        if unclosed is not None:
+            raise self._located(connection, unclosed[1], unclosed[0], before=trusted)
         if frontier.size != size:
             raise self._located(
                 connection, f"event {frontier.size + 1} is missing", frontier.size + 1, trusted
@@ -506,13 +542,13 @@ class AuditLog:
         return TamperDetectedError(seq, reason)
 
     def _first_bad_event(self, connection: sa.Connection, upto: int) -> tuple[int, str] | None:
-        previous_hash, expected = SignedState.empty().head_hash, 1
+        previous_hash, expected, macs = SignedState.empty().head_hash, 1, LegacyPrefix(self._mac)
         query = (
             sa.select(audit_events).where(audit_events.c.seq <= upto).order_by(audit_events.c.seq)
         )
         for row in connection.execute(query.execution_options(yield_per=2000)):
             record = record_from_row(row)
-            problem = event_problem(record, expected, previous_hash, self._mac)
+            problem = event_problem(record, expected, previous_hash, macs)
             if problem is not None:
                 return problem[0] if problem[0] is not None else record.seq, problem[1]
             previous_hash, expected = record.event_hash, expected + 1
@@ -693,6 +729,20 @@ class AuditLog:
         except SQLAlchemyError as exc:
             raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
 
+    def _through_declaration(
+        self, first_seq: int | None, last_seq: int | None
+    ) -> tuple[int | None, int | None]:
+        """A range holding only legacy events is extended to the legacy declaration (the next
+        append writes it if it is not there yet), which verification needs to accept them."""
+        if first_seq is None or last_seq is None:
+            return first_seq, last_seq
+        try:
+            with self._db.connect() as connection:
+                legacy = connection.execute(sa.select(audit_head.c.legacy_size)).scalar_one()
+        except SQLAlchemyError as exc:
+            raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+        return first_seq, legacy + 1 if last_seq <= legacy else last_seq
+
     def export(
         self,
         since: datetime | None,
@@ -708,7 +758,7 @@ class AuditLog:
         if fmt not in EXPORT_FORMATS:
             raise ValueError(f"unknown export format {fmt!r}; use one of {EXPORT_FORMATS}")
         since, until = _utc(since), _utc(until)
-        first_seq, last_seq = self._seq_range(since, until)
+        first_seq, last_seq = self._through_declaration(*self._seq_range(since, until))
         self.append(
             "export",
             actor,
@@ -787,7 +837,7 @@ class AuditLog:
             checkpoint = self.checkpoint()
         except TamperDetectedError as error:
             return VerifyReport(False, 0, error.first_bad_seq, error.reason)
-        first_seq, last_seq = self._seq_range(since, until)
+        first_seq, last_seq = self._through_declaration(*self._seq_range(since, until))
         if last_seq is not None and last_seq > checkpoint["size"]:  # written after signing
             last_seq = checkpoint["size"]
         if first_seq is None or last_seq is None or first_seq > last_seq:

@@ -38,7 +38,9 @@ audit_merkle_nodes = sa.Table(
 
 # One row (id = 1): the tree size, the chain's head hash and the compact range (the frontier's
 # hashes, concatenated, largest subtree first). Appends lock this row (SELECT ... FOR UPDATE),
-# which needs UPDATE on it: only the writer role can take the append lock.
+# which needs UPDATE on it: only the writer role can take the append lock. ``legacy_size``:
+# the events migration 0002 adopted from revision 0001 (see ``legacy``); the writer role cannot
+# change it, and verification trusts only the MAC'd declaration it causes to be written.
 audit_head = sa.Table(
     "audit_head",
     metadata,
@@ -46,6 +48,7 @@ audit_head = sa.Table(
     sa.Column("tree_size", sa.BigInteger, nullable=False),
     sa.Column("head_hash", sa.String(64), nullable=False),
     sa.Column("frontier", sa.LargeBinary, nullable=False),
+    sa.Column("legacy_size", sa.BigInteger, nullable=False, server_default="0"),
 )
 
 api_keys = sa.Table(

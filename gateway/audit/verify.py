@@ -3,7 +3,8 @@ and, for the per-event MACs, the MAC key; never the server or its database
 (``specgate audit verify``). Standard library plus ``cryptography`` only.
 
 What it checks: every line's canonical form; a gapless sequence; every event's chain hash
-and prev_hash link; every event's MAC (with the key); every ``checkpoint`` event inside the
+and prev_hash link; every event's MAC (with the key; MAC-less legacy events from before
+revision 0002 only where ``legacy`` allows them); every ``checkpoint`` event inside the
 export against the tree recomputed at its size; the closing signed checkpoint against the
 tree of the exported events plus the subtrees the export carries; and, given a checkpoint the
 auditor already trusts, that the exported tree extends it (same root at its size, or an RFC
@@ -19,6 +20,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from gateway.audit.legacy import LegacyPrefix, is_legacy_checkpoint
 from gateway.audit.mac import EventMac
 from gateway.audit.merkle import (
     CompactRange,
@@ -57,10 +59,14 @@ class _Failed(Exception):
 
 
 def event_problem(
-    record: EventRecord, expected_seq: int, previous_hash: str | None, mac: EventMac | None
+    record: EventRecord,
+    expected_seq: int,
+    previous_hash: str | None,
+    macs: LegacyPrefix | None,
 ) -> tuple[int | None, str] | None:
     """(first bad seq, why) for an event that does not continue the log, else None.
-    ``previous_hash`` None: the previous event is not known (the first exported one)."""
+    ``previous_hash`` None: the previous event is not known (the first exported one).
+    ``macs`` checks the MAC in its place (the legacy prefix, see ``legacy``); None: not."""
     if record.seq != expected_seq:
         return expected_seq, (
             f"sequence broken: expected event {expected_seq}, found event {record.seq} "
@@ -72,13 +78,7 @@ def event_problem(
         return record.seq, (
             f"event {record.seq}: prev_hash does not match the hash of event {record.seq - 1}"
         )
-    if mac is not None and not mac.valid(record.canonical_bytes(), record.mac):
-        what = "has no MAC" if record.mac is None else "has a MAC that does not verify"
-        return record.seq, (
-            f"event {record.seq} {what}: it was not written by a gateway holding the MAC key "
-            f"(forged, altered or moved)"
-        )
-    return None
+    return macs.event(record) if macs is not None else None
 
 
 def trusted_checkpoint_text(text: str) -> str:
@@ -114,6 +114,7 @@ class _Walk:
     tree: TreeRecord
     frontier: CompactRange
     checked_upto: int  # the largest tree size whose root a signature vouched for
+    legacy: LegacyPrefix
     count: int = 0
     previous_hash: str | None = None
     trusted_checked: bool = False
@@ -136,11 +137,13 @@ class _Walk:
         )
 
     def event(self, record: EventRecord) -> None:
-        problem = event_problem(record, self.frontier.size + 1, self.previous_hash, self.mac)
+        problem = event_problem(record, self.frontier.size + 1, self.previous_hash, self.legacy)
         if problem is not None:
             raise _Failed(*problem)
         self.check_trusted_here()
-        if record.kind == "checkpoint":
+        if record.kind == "checkpoint" and not (
+            self.legacy.in_prefix and is_legacy_checkpoint(record)
+        ):
             self._inner_checkpoint(record)
         self.frontier.append(leaf_hash(record.canonical_bytes()))
         self.previous_hash = record.event_hash
@@ -166,6 +169,9 @@ class _Walk:
 
     def close(self, closing: Checkpoint) -> None:
         end, size = self.frontier.size, closing.size
+        unclosed = self.legacy.finish(end)
+        if unclosed is not None:
+            raise _Failed(*unclosed)
         if size < end:
             raise _Failed(size + 1, f"the checkpoint covers {size} events, fewer than exported")
         pieces = aligned_pieces(end, size)
@@ -261,7 +267,9 @@ def verify_export(
                     frontier = CompactRange(record.start, list(record.left))
                 except ValueError as exc:
                     raise _Failed(record.start + 1, f"tree record: {exc}") from None
-                walk = _Walk(key, mac, trusted, record, frontier, checked_upto=0)
+                walk = _Walk(
+                    key, mac, trusted, record, frontier, checked_upto=0, legacy=LegacyPrefix(mac)
+                )
             elif isinstance(record, EventRecord):
                 walk.event(record)
             elif isinstance(record, CheckpointRecord):

@@ -6,9 +6,12 @@ on the append-only tables and UPDATE on the head row only, so it can neither cha
 nor disable the triggers (only an owner or superuser can). The gateway logs in as a member of
 the writer role (see docs/deploy.md). The role is created NOLOGIN if it does not exist.
 
-An existing log (from revision 0001) has no MACs and no tree; rather than invent either, the
-migration refuses to run on a non-empty ``audit_events``: export and archive it, then start a
-new database.
+An existing log (from revision 0001) is adopted: its events, read in seq order a page at a
+time (bounded memory), are checked (gapless seqs, every chain hash) and become leaves 1..N of
+the tree, with the interior nodes and the head row's compact range exactly as appending them
+would have left them. Their MAC stays empty and the head row records ``legacy_size = N``; the
+first event appended afterwards is the MAC'd declaration of N that verification relies on
+(see ``gateway.audit.legacy``). A chain that no longer verifies is refused, naming the event.
 
 Revision ID: 0002
 Revises: 0001
@@ -23,6 +26,11 @@ import re
 import sqlalchemy as sa
 from alembic import op
 
+from gateway.audit.canonical import format_timestamp
+from gateway.audit.merkle import CompactRange, leaf_hash
+from gateway.audit.records import EventRecord
+from gateway.audit.verify import event_problem
+
 revision = "0002"
 down_revision = "0001"
 branch_labels = None
@@ -31,6 +39,17 @@ depends_on = None
 DEFAULT_WRITER_ROLE = "specgate_writer"
 GENESIS_HASH = "0" * 64
 _APPEND_ONLY = ("audit_events", "audit_merkle_nodes")
+ADOPT_PAGE = 2000  # events read per query while adopting a revision-0001 log
+_EVENT_FIELDS = ("seq", "event_id", "kind", "actor", "prev_hash", "event_hash")
+_legacy_events = sa.table(
+    "audit_events",
+    *(sa.column(name) for name in _EVENT_FIELDS),
+    sa.column("created_at", sa.DateTime(timezone=True)),
+    sa.column("payload", sa.JSON),
+)
+_nodes = sa.table(
+    "audit_merkle_nodes", sa.column("level"), sa.column("idx"), sa.column("hash", sa.LargeBinary)
+)
 
 
 def writer_role() -> str:
@@ -55,11 +74,6 @@ $$
 
 def upgrade() -> None:
     bind = op.get_bind()
-    if bind.execute(sa.text("SELECT count(*) FROM audit_events")).scalar():
-        raise RuntimeError(
-            "audit_events holds events written without MACs or a Merkle tree: export and "
-            "archive them (`GET /v1/audit/export`), then migrate a new, empty database"
-        )
     op.add_column("audit_events", sa.Column("mac", sa.String(64), nullable=True))
     op.create_table(
         "audit_merkle_nodes",
@@ -73,12 +87,15 @@ def upgrade() -> None:
         sa.Column("tree_size", sa.BigInteger, nullable=False),
         sa.Column("head_hash", sa.String(64), nullable=False),
         sa.Column("frontier", sa.LargeBinary, nullable=False),
+        sa.Column("legacy_size", sa.BigInteger, nullable=False, server_default="0"),
         sa.CheckConstraint("id = 1", name="audit_head_single_row"),
     )
+    size, head_hash, frontier = _adopt_legacy_events(bind)
     op.execute(
         sa.text(
-            "INSERT INTO audit_head (id, tree_size, head_hash, frontier) VALUES (1, 0, :h, :f)"
-        ).bindparams(h=GENESIS_HASH, f=b"")
+            "INSERT INTO audit_head (id, tree_size, head_hash, frontier, legacy_size) "
+            "VALUES (1, :n, :h, :f, :n)"
+        ).bindparams(n=size, h=head_hash, f=frontier)
     )
     if bind.dialect.name == "postgresql":
         _postgres_triggers_and_roles()
@@ -89,6 +106,36 @@ def upgrade() -> None:
                 f"audit_merkle_nodes BEGIN SELECT RAISE(ABORT, "
                 f"'audit_merkle_nodes is append-only: {op_name} refused'); END"
             )
+
+
+def _adopt_legacy_events(bind: sa.Connection) -> tuple[int, str, bytes]:
+    """Build the tree over the existing events; returns (N, last event_hash, compact range)."""
+    frontier, previous_hash = CompactRange(), GENESIS_HASH
+    seq = _legacy_events.c.seq
+    while True:
+        page = bind.execute(
+            sa.select(_legacy_events).where(seq > frontier.size).order_by(seq).limit(ADOPT_PAGE)
+        ).all()
+        if not page:
+            return frontier.size, previous_hash, b"".join(frontier.hashes)
+        nodes: list[dict[str, object]] = []
+        for row in page:
+            record = EventRecord(
+                **{name: getattr(row, name) for name in _EVENT_FIELDS},
+                created_at=format_timestamp(row.created_at),
+                payload=row.payload,
+            )
+            problem = event_problem(record, frontier.size + 1, previous_hash, None)
+            if problem is not None:
+                raise RuntimeError(
+                    f"cannot adopt the existing audit log: {problem[1]}; it was changed after "
+                    "it was written (restore audit_events from a backup, or ask for support)"
+                )
+            completed = frontier.append(leaf_hash(record.canonical_bytes()))
+            nodes += [{"level": n[0], "idx": n[1], "hash": h} for n, h in completed if n[0]]
+            previous_hash = record.event_hash
+        if nodes:
+            bind.execute(sa.insert(_nodes), nodes)
 
 
 def _postgres_triggers_and_roles() -> None:
