@@ -26,6 +26,7 @@ from engine.loading import check_draft_compatible, load_model, load_tokenizer, p
 from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
 from engine.proposers import DraftModelProposer, NgramProposer, Proposer
+from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
 from engine.types import (
     EngineClosedError,
     FallbackEvent,
@@ -114,6 +115,7 @@ class Engine:
         draft: PreTrainedModel | None = None,
         draft_version: str | None = None,
         on_fallback: FallbackListener | None = None,
+        draft_vocabulary: torch.Tensor | None = None,
     ) -> None:
         self.config = config
         self.speculative_config: SpeculativeConfig = config.speculative
@@ -132,7 +134,7 @@ class Engine:
             "ngram": NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         }
         if draft is not None:
-            self._proposers["draft"] = DraftModelProposer(ModelRunner(draft))
+            self._proposers["draft"] = DraftModelProposer(ModelRunner(draft), draft_vocabulary)
         self.available_methods: tuple[Method, ...] = ("none", *self._proposers)
         self._eos = _eos_ids(target, tokenizer)
         self._listener = on_fallback
@@ -165,7 +167,7 @@ class Engine:
             torch.set_num_threads(config.cpu_threads)
         tokenizer = load_tokenizer(config.target)
         target = load_model(config.target, device, config.dtype)
-        draft = draft_version = None
+        draft = draft_version = draft_vocabulary = None
         if config.draft is not None:
             draft_tokenizer = load_tokenizer(config.draft)
             draft = load_model(config.draft, device, config.dtype)
@@ -173,6 +175,9 @@ class Engine:
                 tokenizer, draft_tokenizer, draft.config.vocab_size, target.config.vocab_size
             )
             draft_version = model_version(config.draft)
+            draft_vocabulary = load_head_vocabulary(config.draft, draft.config.vocab_size)
+            if draft_vocabulary is not None:
+                restrict_head(draft, draft_vocabulary)
         return cls(
             config,
             target,
@@ -181,6 +186,7 @@ class Engine:
             draft,
             draft_version,
             on_fallback,
+            draft_vocabulary,
         )
 
     @property

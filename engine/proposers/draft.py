@@ -20,8 +20,12 @@ from engine.types import Method, SamplingParams
 class DraftModelProposer:
     method: Method = "draft"
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, vocabulary: torch.Tensor | None = None) -> None:
+        """``vocabulary``: the token ids of a draft head restricted to a subset (see
+        ``engine.proposers.vocabulary``, which has already cut the runner's head to them)."""
         self.runner = runner
+        self.vocabulary = vocabulary
+        self.vocab_size = int(runner.model.config.vocab_size)
         # Token ids whose keys and values the draft cache holds, position for position.
         self.cached: list[int] = []
         # Length of the committed context at the last proposal: the cache agrees up to here.
@@ -50,12 +54,13 @@ class DraftModelProposer:
             logits = self.runner.forward(pending, last_only=True)[-1]
             self.cached.extend(pending)
             if params.greedy:
-                token = int(logits.argmax().item())
+                index = int(logits.argmax().item())
+                token = index if self.vocabulary is None else int(self.vocabulary[index])
                 sure = min_confidence <= 0.0 or bool(
-                    torch.softmax(logits, dim=-1)[token] >= min_confidence
+                    torch.softmax(logits, dim=-1)[index] >= min_confidence
                 )
             else:
-                q = probabilities(logits, params)
+                q = self._full_vocabulary(probabilities(logits, params))
                 token = sample(q, generator)
                 rows.append(q)
                 sure = bool(q.max() >= min_confidence)
@@ -64,6 +69,14 @@ class DraftModelProposer:
                 break
             pending = [token]
         return Proposal(tokens, torch.stack(rows) if rows else None)
+
+    def _full_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
+        """q over the subset, spread onto the whole vocabulary with 0 outside the subset."""
+        if self.vocabulary is None:
+            return q
+        full = q.new_zeros(self.vocab_size)
+        full[self.vocabulary.to(q.device)] = q
+        return full
 
     def accepted(self, context: list[int]) -> None:
         # Keep the cached prefix that agrees with the committed context; drop the rest.
