@@ -15,9 +15,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.workload import BUILTIN_SETS
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.demo.build import build_demo_draft, ensure_target
-from engine.demo.draft import QUICK_DRAFT, frequency_ranked_vocabulary
+from engine.demo.corpus import load_corpus
+from engine.demo.draft import QUICK_DRAFT, DraftSpec, frequency_ranked_vocabulary
 from engine.demo.package import (
     GGUF_SHA256,
     WHEEL_NAME,
@@ -27,6 +29,7 @@ from engine.demo.package import (
     fetch_source,
 )
 from engine.demo.paths import default_demo_dir
+from engine.demo.prompts import distillation_prompts
 from engine.demo.target import MANIFEST
 from engine.proposers.vocabulary import VOCABULARY_FILE, load_head_vocabulary
 from engine.service import Engine
@@ -187,3 +190,24 @@ def test_default_demo_dir_follows_xdg_cache_home(
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_demo_dir() == tmp_path / "home" / ".cache" / "specgate" / "demo"
+
+
+BENCH_PROMPTS = Path(__file__).parent.parent / "bench" / "prompts"
+
+
+def test_bench_prompts_are_held_out_from_the_draft_distillation() -> None:
+    corpus = load_corpus()
+    held_out = {f.relative_path for f in corpus.held_out}
+    rows = [
+        json.loads(line)
+        for path in sorted(BENCH_PROMPTS.glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+    assert {path.stem for path in BENCH_PROMPTS.glob("*.jsonl")} == set(BUILTIN_SETS)
+    assert len(rows) == 32
+    code_sources = [r["source"].split(":")[0] for r in rows if ".py:" in r["source"]]
+    assert len(code_sources) == 16 and set(code_sources) <= held_out
+    distilled = {
+        chat[0]["content"] for chat in distillation_prompts(corpus.train, DraftSpec().prompts, 1234)
+    }
+    assert not distilled & {r["messages"][0]["content"] for r in rows}

