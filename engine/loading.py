@@ -9,12 +9,14 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
 from engine.attention import use_cpu_gqa_attention
 from engine.config import DType
+from engine.dtype_choice import faster_cpu_dtype
 from engine.types import IncompatibleDraftError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -39,15 +41,22 @@ def cpu_has_native_bfloat16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def pick_dtype(requested: DType, device: torch.device, num_parameters: int) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA (float16 where bf16 is missing). On CPU, bfloat16 for models
-    large enough to be memory-bound when the CPU computes bf16 natively (a decode step then
-    moves half the bytes), else float32."""
+def pick_dtype(
+    requested: DType, device: torch.device, num_parameters: int,
+    config: PretrainedConfig | None = None,
+) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA (float16 where bf16 is missing). On CPU, for models large
+    enough to be memory-bound, the dtype measured faster for the model's layer shapes
+    (``engine.dtype_choice``) where the CPU computes bf16 natively, else float32."""
     if requested != "auto":
         return _DTYPES[requested]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if num_parameters >= SMALL_MODEL_PARAMETERS and cpu_has_native_bfloat16():
+        hidden = getattr(config, "hidden_size", None)
+        intermediate = getattr(config, "intermediate_size", None)
+        if isinstance(hidden, int) and isinstance(intermediate, int):
+            return faster_cpu_dtype(hidden, intermediate)
         return torch.bfloat16
     return torch.float32
 
@@ -56,7 +65,7 @@ def load_model(model_dir: Path, device: torch.device, dtype: DType) -> PreTraine
     """``from_pretrained`` from a local directory, then cast to the chosen dtype on ``device``
     (on CPU with the grouped-head attention of ``engine.attention``)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-    chosen = pick_dtype(dtype, device, model.num_parameters())
+    chosen = pick_dtype(dtype, device, model.num_parameters(), model.config)
     torch.nn.Module.to(model, device=device, dtype=chosen)
     use_cpu_gqa_attention(model)
     return model.eval()
