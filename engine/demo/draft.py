@@ -42,10 +42,10 @@ MAX_PROMPT_TOKENS = 256
 class DraftSpec:
     layers: int = 2
     head_tokens: int = 8192
-    prompts: int = 384
+    prompts: int = 640
     answer_tokens: int = 160
     generation_batch: int = 64
-    steps: int = 300
+    steps: int = 200
     batch_size: int = 16
     lr: float = 2e-3
     warmup_steps: int = 20

@@ -1,6 +1,7 @@
-"""Chat requests whose answers the draft is distilled on, cut from the standard library's
-training files (``engine.demo.corpus``), in the four kinds the benchmark measures: questions,
-code completion, quoting or editing a given text, and JSON extraction.
+"""Chat requests whose answers the draft is distilled on, in the four kinds the benchmark
+measures: questions (everyday topics, and about code), code completion, quoting or editing a
+given text, and JSON extraction (from code, and from short generated records). The code comes
+from the standard library's training files (``engine.demo.corpus``).
 
 The benchmark's prompts (``bench/prompts``) are written apart from these and take their code
 from held-out files only, so the draft never sees them.
@@ -43,6 +44,56 @@ _EXTRACTIONS = (
 )
 
 
+_TOPICS = (
+    "photosynthesis", "the water cycle", "volcanoes", "glaciers", "the moon's phases",
+    "black holes", "vaccines", "the immune system", "sleep", "coffee", "chocolate", "bread",
+    "cheese making", "composting", "bees", "wolves", "whales", "forests", "deserts", "rivers",
+    "electric cars", "solar panels", "wind turbines", "batteries", "nuclear power",
+    "the internet", "email", "passwords", "encryption", "databases", "cloud computing",
+    "open source software", "version control", "unit testing", "code review", "recursion",
+    "sorting algorithms", "binary search", "linked lists", "regular expressions", "compilers",
+    "operating systems", "memory leaks", "APIs", "JSON", "spreadsheets", "budgeting",
+    "saving money", "interest rates", "taxes", "insurance", "renting a flat", "job interviews",
+    "writing a CV", "public speaking", "time management", "learning a language", "chess",
+    "football", "cycling", "running a marathon", "yoga", "gardening", "houseplants",
+    "cooking pasta", "baking a cake", "making tea", "travelling by train", "camping",
+    "mountain safety", "first aid", "recycling", "climate change", "earthquakes", "maps",
+    "the Roman Empire", "the printing press", "the Industrial Revolution", "democracy",
+    "libraries", "museums", "music theory", "the piano", "photography", "painting",
+    "writing poetry", "short stories", "newspapers", "podcasts", "video games", "robots",
+    "artificial intelligence", "smartphones", "3D printing", "airplanes", "rockets",
+)
+_CHATS = (
+    "Explain {topic} to a ten-year-old.",
+    "What are the pros and cons of {topic}?",
+    "Write a short paragraph about {topic}.",
+    "Give me three interesting facts about {topic}.",
+    "What is a common misconception about {topic}?",
+    "Write a haiku about {topic}.",
+)
+_FIRST = ("Anna", "Luca", "Sophie", "Noah", "Mia", "Elias", "Lina", "David", "Sara", "Tim")
+_LAST = ("Müller", "Schmid", "Keller", "Weber", "Huber", "Meyer", "Frei", "Brunner")
+_CITIES = ("Basel", "Chur", "Lucerne", "St. Gallen", "Winterthur", "Thun", "Sion", "Zug")
+_THINGS = ("chairs", "lamps", "laptops", "books", "bicycles", "printers", "tables", "phones")
+
+
+def _record(rng: random.Random) -> tuple[str, str]:
+    """A short generated text and the keys to extract from it."""
+    name = f"{rng.choice(_FIRST)} {rng.choice(_LAST)}"
+    city, thing = rng.choice(_CITIES), rng.choice(_THINGS)
+    count, price, day = rng.randint(2, 40), rng.randint(5, 900), rng.randint(1, 28)
+    texts = (
+        (f"{name} ordered {count} {thing} at CHF {price} each, to be delivered to {city} on "
+         f"{day} May.", "customer, quantity, item, unit_price_chf, city, delivery_date"),
+        (f"Reminder: {name} meets the {city} team on {day} April at {rng.randint(8, 17)}:00 to "
+         f"discuss the {thing} budget of CHF {price * 100}.",
+         "person, team, date, time, topic, budget_chf"),
+        (f"Support ticket {rng.randint(1000, 9999)}: {name} from {city} reports that "
+         f"{count} {thing} arrived damaged.", "ticket, customer, city, quantity, item, problem"),
+    )
+    return rng.choice(texts)
+
+
 def functions(source: SourceFile) -> Iterator[tuple[str, str]]:
     """``(name, dedented source)`` of every undecorated function of a readable length."""
     try:
@@ -72,12 +123,19 @@ def distillation_prompts(files: Iterable[SourceFile], count: int, seed: int) -> 
         for name, code in functions(source)
     ]
     rng.shuffle(candidates)
-    kinds = (_QUESTIONS, _COMPLETIONS, _EDITS, _EXTRACTIONS)
+    kinds = ("chat", _QUESTIONS, _COMPLETIONS, _EDITS, _EXTRACTIONS, "record")
     chats: list[Messages] = []
     for index, (module, name, code) in enumerate(candidates[:count]):
-        template = rng.choice(kinds[index % len(kinds)])
-        lines = code.splitlines()
-        head = "\n".join(lines[: max(2, len(lines) // 3)])
-        content = template.format(module=module, name=name, code=code, head=head)
+        kind = kinds[index % len(kinds)]
+        if kind == "chat":
+            content = rng.choice(_CHATS).format(topic=rng.choice(_TOPICS))
+        elif kind == "record":
+            text, keys = _record(rng)
+            content = f"Return the {keys} in this text as a JSON object.\n\n{text}"
+        else:
+            lines = code.splitlines()
+            head = "\n".join(lines[: max(2, len(lines) // 3)])
+            template = rng.choice(kind)
+            content = template.format(module=module, name=name, code=code, head=head)
         chats.append([{"role": "user", "content": content}])
     return chats
