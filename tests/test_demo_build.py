@@ -211,3 +211,16 @@ def test_bench_prompts_are_held_out_from_the_draft_distillation() -> None:
         chat[0]["content"] for chat in distillation_prompts(corpus.train, DraftSpec().prompts, 1234)
     }
     assert not distilled & {r["messages"][0]["content"] for r in rows}
+
+
+@pytest.mark.parametrize(
+    "content", ["[3, 1, 2]", "[1, 1, 2]", "[0, 64]", "[-1, 2]", "[]", '{"ids": [1]}', '["a"]']
+)
+def test_a_malformed_head_vocabulary_is_refused(tmp_path: Path, content: str) -> None:
+    (tmp_path / VOCABULARY_FILE).write_text(content)
+    with pytest.raises(ValueError, match="sorted distinct token ids"):
+        load_head_vocabulary(tmp_path, 64)
+
+
+def test_a_draft_without_a_head_vocabulary_keeps_its_full_head(tmp_path: Path) -> None:
+    assert load_head_vocabulary(tmp_path, 64) is None
