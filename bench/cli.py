@@ -20,7 +20,7 @@ def bench(
     prompts: Annotated[
         Path | None,
         typer.Option(help="JSON lines of {'prompt': ...} or {'messages': [...]} requests; "
-                     "replaces the built-in code and quoting sets."),
+                     "replaces the built-in chat, code, editing and json sets."),
     ] = None,
     out: Annotated[Path, typer.Option(help="Where bench.json, bench.md, bench.png go.")] = (
         DEFAULT_OUT

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from rich.progress import Progress
+from transformers import PreTrainedModel
 
 from bench.costs import PassCosts, measure_pass_costs, median_costs
 from bench.report import RunTable
@@ -17,6 +18,7 @@ from bench.variants import Generator, Variant, hf_variants, specgate_variants
 from bench.workload import BenchPrompt
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.loading import load_model, pick_device
+from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
 from engine.service import Engine
 from engine.types import Method
 
@@ -50,6 +52,7 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engine: Engine) -> 
     device = pick_device(None)
     target = load_model(setup.target, device, "auto")
     draft = load_model(setup.draft, device, "auto") if setup.draft else None
+    engine_draft = _as_the_engine_runs_it(setup.draft, draft)
     methods: tuple[Method, ...] = engine.available_methods
     variants = specgate_variants(methods, setup.fixed_k) + hf_variants(methods)
     generator = Generator(engine, target, draft)
@@ -61,7 +64,9 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engine: Engine) -> 
     with Progress() as progress:
         task = progress.add_task("benchmark", total=total)
         for repeat in range(setup.repeats):
-            cost_samples.append(measure_pass_costs(target, draft, context, setup.fixed_k))
+            cost_samples.append(
+                measure_pass_costs(target, engine_draft, context, setup.fixed_k)
+            )
             for index, prompt in enumerate(prompts):
                 shift = (repeat + index) % len(variants)
                 for variant in variants[shift:] + variants[:shift]:
@@ -88,6 +93,21 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engine: Engine) -> 
         ),
     }
     return BenchRun(variants, dict(runs), costs, header)
+
+
+def _as_the_engine_runs_it(
+    draft_dir: Path | None, draft: PreTrainedModel | None
+) -> PreTrainedModel | None:
+    """The draft with its head cut to its vocabulary subset, if it has one, as the engine
+    serves it (Hugging Face's assisted generation runs the full-vocabulary head)."""
+    if draft_dir is None or draft is None:
+        return draft
+    vocabulary = load_head_vocabulary(draft_dir, draft.config.vocab_size)
+    if vocabulary is None:
+        return draft
+    restricted = load_model(draft_dir, draft.device, "auto")
+    restrict_head(restricted, vocabulary)
+    return restricted
 
 
 def _fmt_ms(value: float | None) -> str:

@@ -1,11 +1,12 @@
 """The prompts a benchmark runs: the built-in held-out sets, or an operator's own file.
 
 A prompt file holds JSON lines, each a completion request ``{"prompt": "..."}`` or a chat
-request ``{"messages": [...]}``, optionally with ``"max_tokens"``. The built-in sets were cut
-from standard-library files that the demo build holds out of training (``source`` names the
-file and line): ``code`` completes the body of a documented function, ``quoting`` holds chat
-requests to repeat a function verbatim or renamed (``engine.demo.quoting`` words them), where
-n-gram lookup shines.
+request ``{"messages": [...]}``, optionally with ``"max_tokens"``. The built-in sets are the
+workloads of an instruct model, written apart from the demo draft's distillation prompts
+(``engine.demo.prompts``), with code only from standard-library files the demo holds out
+(``source`` names the file and function): ``chat`` asks everyday questions, ``code`` asks to
+finish a function given its first lines, ``editing`` asks to quote a function back or rename
+it (where n-gram lookup shines), ``json`` asks to extract fields from a short text as JSON.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, cast
 from transformers import PreTrainedTokenizerBase
 
 BUILTIN_DIR = Path(__file__).parent / "prompts"
-BUILTIN_SETS = ("code", "quoting")
+BUILTIN_SETS = ("chat", "code", "editing", "json")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PretrainedConfig,
@@ -18,6 +19,7 @@ from transformers import (
 
 from engine.attention import use_cpu_gqa_attention
 from engine.config import DType
+from engine.dtype_choice import faster_cpu_dtype
 from engine.types import IncompatibleDraftError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -42,15 +44,22 @@ def cpu_has_native_bfloat16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def pick_dtype(requested: DType, device: torch.device, num_parameters: int) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA (float16 where bf16 is missing). On CPU, bfloat16 for models
-    large enough to be memory-bound when the CPU computes bf16 natively (a decode step then
-    moves half the bytes), else float32."""
+def pick_dtype(
+    requested: DType, device: torch.device, num_parameters: int,
+    config: PretrainedConfig | None = None,
+) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA (float16 where bf16 is missing). On CPU, for models large
+    enough to be memory-bound, the dtype measured faster for the model's layer shapes
+    (``engine.dtype_choice``) where the CPU computes bf16 natively, else float32."""
     if requested != "auto":
         return _DTYPES[requested]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if num_parameters >= SMALL_MODEL_PARAMETERS and cpu_has_native_bfloat16():
+        hidden = getattr(config, "hidden_size", None)
+        intermediate = getattr(config, "intermediate_size", None)
+        if isinstance(hidden, int) and isinstance(intermediate, int):
+            return faster_cpu_dtype(hidden, intermediate)
         return torch.bfloat16
     return torch.float32
 
@@ -74,7 +83,8 @@ def load_model(model_dir: Path, device: torch.device, dtype: DType) -> PreTraine
     own rules hold: buffers it keeps in float32 (the rotary ``inv_freq``: in bfloat16 its
     cos is off by up to 1.5 at position 1000) and the class's ``_keep_in_fp32_modules``.
     """
-    chosen = pick_dtype(dtype, device, checkpoint_parameters(model_dir))
+    config = text_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    chosen = pick_dtype(dtype, device, checkpoint_parameters(model_dir), config)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=chosen)
     torch.nn.Module.to(model, device=device)  # moves only; dtypes stay as loaded
     use_cpu_gqa_attention(model)
@@ -101,6 +111,14 @@ def embedding_rows(model: PreTrainedModel) -> int:
     """Rows of the output layer: the ids the model can score (padded beyond the tokenizer's
     tokens in many checkpoints)."""
     return int(model.get_output_embeddings().weight.shape[0])
+
+
+def input_rows(model: PreTrainedModel) -> int:
+    """Rows of the input embeddings: the ids the model can read (a draft's output head may
+    cover only a subset of them, ``engine.proposers.vocabulary``)."""
+    weight = model.get_input_embeddings().weight
+    assert isinstance(weight, torch.Tensor)
+    return int(weight.shape[0])
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:

@@ -29,6 +29,7 @@ from engine.loading import (
     check_draft_compatible,
     context_window,
     embedding_rows,
+    input_rows,
     load_model,
     load_tokenizer,
     pick_device,
@@ -37,6 +38,7 @@ from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
 from engine.proposers import DraftModelProposer, NgramProposer, Proposer
 from engine.proposers.translating import TranslatingDraftProposer
+from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
 from engine.types import (
     EngineClosedError,
     FallbackEvent,
@@ -173,6 +175,7 @@ class Engine:
         draft_version: str | None = None,
         on_fallback: FallbackListener | None = None,
         draft_tokenizer: PreTrainedTokenizerBase | None = None,
+        draft_vocabulary: torch.Tensor | None = None,
     ) -> None:
         """``draft_tokenizer`` given: the draft has its own tokenizer, and proposes through
         ``TranslatingDraftProposer``."""
@@ -207,8 +210,9 @@ class Engine:
             self._proposers["draft"] = DraftModelProposer(
                 ModelRunner(draft),
                 target_ids=self.vocab_size,
-                proposable_ids=min(len(tokenizer), embedding_rows(draft), self.vocab_size),
+                proposable_ids=min(len(tokenizer), input_rows(draft), self.vocab_size),
                 window=context_window(draft.config),
+                vocabulary=draft_vocabulary,
             )
         if not self.can_speculate:
             self._proposers = {}
@@ -246,7 +250,7 @@ class Engine:
             torch.set_num_threads(config.cpu_threads)
         tokenizer = load_tokenizer(config.target)
         target = load_model(config.target, device, config.dtype)
-        draft = draft_version = translated = None
+        draft = draft_version = translated = draft_vocabulary = None
         if config.draft is not None:
             draft_tokenizer = load_tokenizer(config.draft)
             draft = load_model(config.draft, device, config.dtype)
@@ -259,6 +263,11 @@ class Engine:
                     raise
                 translated = draft_tokenizer
             draft_version = model_version(config.draft)
+            # A subset head serves the draft's own ids; a translated draft keeps its full head.
+            if translated is None:
+                draft_vocabulary = load_head_vocabulary(config.draft, embedding_rows(draft))
+            if draft_vocabulary is not None:
+                restrict_head(draft, draft_vocabulary)
         return cls(
             config,
             target,
@@ -268,6 +277,7 @@ class Engine:
             draft_version,
             on_fallback,
             translated,
+            draft_vocabulary,
         )
 
     @property

@@ -265,17 +265,18 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         raise ConfigError(_describe(error)) from None
 
 
-def _demo_pair() -> tuple[Path, Path]:
+def _demo_pair() -> tuple[Path, Path | None]:
+    """The demo target, and its draft once ``specgate models build-demo`` has distilled it."""
     from engine.demo.paths import default_demo_dir
 
     demo = default_demo_dir()
     target, draft = demo / "target", demo / "draft"
-    if not (target / "config.json").is_file() or not (draft / "config.json").is_file():
+    if not (target / "config.json").is_file():
         raise ConfigError(
-            f"target: no model given and the demo pair is missing in {demo}; "
+            f"target: no model given and the demo target is missing in {demo}; "
             "build it with `specgate models build-demo` or pass --target DIR"
         )
-    return target, draft
+    return target, draft if (draft / "config.json").is_file() else None
 
 
 DEMO_MODEL_NAME = "specgate-demo"
@@ -289,15 +290,18 @@ def engine_config(settings: Settings) -> EngineConfig:
         speculative, vllm_draft = speculative_config_from_vllm(settings.speculative_config)
         draft = draft or vllm_draft
     target = settings.target
+    demo_without_draft = False
     if target is None:
         target, demo_draft = _demo_pair()
         draft = draft or demo_draft
+        demo_without_draft = draft is None
     for name, path in (("target", target), ("draft", draft)):
         if path is not None and not path.is_dir():
             raise ConfigError(f"{name}: {path} is not a model directory")
     method = settings.method
     if method is None and settings.speculative_config is None:
-        method = "draft" if draft is not None else "none"
+        # The demo serves with n-gram lookup until its draft is built.
+        method = "draft" if draft is not None else "ngram" if demo_without_draft else "none"
     updates: dict[str, Any] = {
         "max_speculative_tokens": settings.max_speculative_tokens,
         "acceptance_threshold": settings.acceptance_threshold,

@@ -114,6 +114,13 @@ def test_no_target_serves_the_demo_pair(tmp_path: Path) -> None:
         engine_config(load_settings())
     assert str(raised.value).startswith("target:")
     fake_model(demo / "target")
+    # Until the draft is distilled the demo target serves with n-gram lookup.
+    without_draft = engine_config(load_settings())
+    assert (without_draft.target, without_draft.draft, without_draft.speculative.method) == (
+        demo / "target",
+        None,
+        "ngram",
+    )
     fake_model(demo / "draft")
     config = engine_config(load_settings())
     assert (config.target, config.draft, config.speculative.method) == (

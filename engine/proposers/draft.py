@@ -9,14 +9,18 @@ proposal stops depends only on the draft's own state, so verification stays exac
 The draft proposes only ids below ``proposable_ids`` (the ids its tokenizer shares with the
 target's, padded embedding rows excluded) and hands its probabilities over the target's
 ``target_ids`` (zero beyond), so a draft padded to another size verifies like any other.
-Past its own ``window`` of positions (a draft built for a shorter context than the target's)
-it steps aside: it proposes nothing and the target decodes plainly.
+A draft whose head covers a frequency-ranked subset of the vocabulary (``vocabulary``, the
+sorted ids its head rows stand for; see ``engine.proposers.vocabulary``) scores only those
+rows and proposes only those tokens: q is 0 elsewhere, which rejection sampling handles like
+any other q. Past its own ``window`` of positions (a draft built for a shorter context than
+the target's) it steps aside: it proposes nothing and the target decodes plainly.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.loading import input_rows
 from engine.model_runner import ModelRunner
 from engine.proposers.base import Proposal
 from engine.sampling import probabilities, sample
@@ -27,13 +31,25 @@ class DraftModelProposer:
     method: Method = "draft"
 
     def __init__(
-        self, runner: ModelRunner, target_ids: int, proposable_ids: int, window: int
+        self,
+        runner: ModelRunner,
+        target_ids: int,
+        proposable_ids: int,
+        window: int,
+        vocabulary: torch.Tensor | None = None,
     ) -> None:
         self.runner = runner
         self.target_ids = target_ids
-        self.proposable_ids = proposable_ids
         self.window = window
-        self.draft_ids = int(runner.model.get_output_embeddings().weight.shape[0])
+        self.vocabulary = vocabulary
+        # Ids the draft can read (its input embeddings; the head may be a subset).
+        self.draft_ids = input_rows(runner.model)
+        # The head rows it may propose from: a prefix, since a subset's ids are sorted.
+        self.rows = (
+            proposable_ids
+            if vocabulary is None
+            else int(torch.searchsorted(vocabulary, proposable_ids).item())
+        )
         # Token ids whose keys and values the draft cache holds, position for position.
         self.cached: list[int] = []
         # Length of the committed context at the last proposal: the cache agrees up to here.
@@ -62,23 +78,35 @@ class DraftModelProposer:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(k):
-            logits = self.runner.forward(pending, last_only=True)[-1, : self.proposable_ids]
+            logits = self.runner.forward(pending, last_only=True)[-1, : self.rows]
             self.cached.extend(pending)
             if params.greedy:
-                token = int(logits.argmax().item())
+                index = int(logits.argmax().item())
+                token = self._token(index)
                 sure = min_confidence <= 0.0 or bool(
-                    torch.softmax(logits, dim=-1)[token] >= min_confidence
+                    torch.softmax(logits, dim=-1)[index] >= min_confidence
                 )
             else:
-                q = probabilities(logits, params)
+                q = self._over_target_ids(probabilities(logits, params))
                 token = sample(q, generator)
-                rows.append(torch.nn.functional.pad(q, (0, self.target_ids - len(q))))
+                rows.append(q)
                 sure = bool(q.max() >= min_confidence)
             tokens.append(token)
             if not sure:
                 break
             pending = [token]
         return Proposal(tokens, torch.stack(rows) if rows else None)
+
+    def _token(self, row: int) -> int:
+        return row if self.vocabulary is None else int(self.vocabulary[row])
+
+    def _over_target_ids(self, q: torch.Tensor) -> torch.Tensor:
+        """q over the head's rows, placed on the target's ids with 0 everywhere else."""
+        if self.vocabulary is None:
+            return torch.nn.functional.pad(q, (0, self.target_ids - len(q)))
+        full = q.new_zeros(self.target_ids)
+        full[self.vocabulary[: self.rows].to(q.device)] = q
+        return full
 
     def accepted(self, context: list[int]) -> None:
         # Keep the cached prefix that agrees with the committed context; drop the rest.
