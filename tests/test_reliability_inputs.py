@@ -281,23 +281,38 @@ def test_full_queue_answers_429_at_once(gateway: LiveGateway) -> None:
 
             await asyncio.gather(*(one(i) for i in range(150)))
             services = gateway.services
-            assert services.admission.in_use == MAX_QUEUE
+            assert MAX_QUEUE - 3 <= services.admission.in_use <= MAX_QUEUE
             extra: list[float] = []
             for _ in range(20):
-                started = time.perf_counter()
-                response = await client.post(
-                    gateway.base_url + "/v1/chat/completions", json=body, headers=_headers(gateway)
+                request = client.build_request(
+                    "POST",
+                    gateway.base_url + "/v1/chat/completions",
+                    json=body,
+                    headers=_headers(gateway),
                 )
+                started = time.perf_counter()
+                response = await client.send(request, stream=True)
+                if response.status_code == 200:
+                    # A stream finished and freed its slot meanwhile; holding this one keeps
+                    # the queue full. It is not a 429 sample.
+                    admitted.append(response)
+                    continue
                 extra.append(time.perf_counter() - started)
                 assert response.status_code == 429
                 assert response.headers["retry-after"] == "1"
+                await response.aread()
+                await response.aclose()
+            assert len(extra) >= 15, "too many streams finished to keep the queue full"
             for response in admitted:
                 await response.aclose()
             return statuses, extra, retry_after
 
     statuses, extra, retry_after = asyncio.run(run())
     assert sorted(set(statuses)) == [200, 429]
-    assert statuses.count(200) == MAX_QUEUE and statuses.count(429) == 150 - MAX_QUEUE
+    # The tiny model decodes a 400-token stream in well under a second, so on a slow machine
+    # a stream or two may finish (and free its slot) while the burst is still arriving.
+    assert MAX_QUEUE <= statuses.count(200) <= MAX_QUEUE + 3
+    assert statuses.count(429) == 150 - statuses.count(200)
     assert set(retry_after) == {"1"}
     print(
         f"429 answer times: median {statistics.median(extra) * 1000:.1f} ms, "
