@@ -18,12 +18,12 @@ import structlog
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from engine.service import Engine
 from gateway import openapi
 from gateway.admission import Admission
 from gateway.audit.log import AuditUnavailableError, WitnessPolicy
 from gateway.audit.mac import EventMac
 from gateway.audit.signing import CheckpointSigner, load_public_key
+from gateway.backends.local import LocalBackend
 from gateway.body_limit import BodySizeLimitMiddleware
 from gateway.db import DatabaseTimeouts, make_db_engine, normalise_url, upgrade_database
 from gateway.dependencies import Services
@@ -103,24 +103,26 @@ def start_services(settings: Settings, telemetry: Telemetry) -> Services:
     interrupted = mark_interrupted(audit_log, db, instance)
     if interrupted:
         log.warning("requests_interrupted", count=interrupted)
-    engine = Engine.load(
+    backend = LocalBackend.load(
         engine_config(settings),
         on_fallback=telemetry.fallback_listener(fallback_recorder(spool)),
     )
-    telemetry.watch_engine(engine)
+    telemetry.watch_backend(backend)
     try:
         _bootstrap_admin(settings, keys)
         audit_log.append(
-            "startup", SYSTEM_ACTOR, {**startup_payload(settings, engine), "instance_id": instance}
+            "startup",
+            SYSTEM_ACTOR,
+            {**startup_payload(settings, backend.card), "instance_id": instance},
         )
     except BaseException:
-        engine.close()
+        backend.close()
         db.dispose()
         raise
     spool.start()
     return Services(
         settings=settings,
-        engine=engine,
+        backend=backend,
         audit=audit_log,
         keys=keys,
         signer=signer,
@@ -140,7 +142,7 @@ def start_services(settings: Settings, telemetry: Telemetry) -> Services:
 
 async def stop_services(services: Services) -> None:
     """Record the `shutdown` event (spooled if the store is away) and a final signed
-    checkpoint (bounded by ``audit_timeout_s``), then stop the engine and the writers."""
+    checkpoint (bounded by ``audit_timeout_s``), then stop the backend and the writers."""
     settings = services.settings
     try:
         await append_durably(
@@ -154,7 +156,7 @@ async def stop_services(services: Services) -> None:
         await services.offload.db(services.audit.checkpoint)
     except AuditUnavailableError as error:
         log.error("shutdown_not_checkpointed", error=str(error))
-    await run_in_threadpool(services.engine.close)
+    await run_in_threadpool(services.backend.close)
     await run_in_threadpool(services.spool.close, settings.audit_timeout_s)
     services.offload.close()
     services.db.dispose()
@@ -183,7 +185,7 @@ def create_app(settings: Settings) -> FastAPI:
         )
         log.info(
             "gateway_started",
-            model=services.engine.model_name,
+            model=services.backend.card.model_name,
             host=settings.host,
             port=settings.port,
         )

@@ -16,7 +16,9 @@ import psycopg
 from fastapi import FastAPI
 from psycopg import sql
 
+from engine.service import Engine
 from gateway.app import create_app
+from gateway.backends.local import LocalBackend
 from gateway.dependencies import Services
 from gateway.server import GracefulServer, uvicorn_config
 from gateway.settings import Settings
@@ -52,6 +54,13 @@ class LiveGateway:
     def services(self) -> Services:
         services: Services = self.app.state.services
         return services
+
+    @property
+    def engine(self) -> Engine:
+        """The built-in engine behind the gateway, for tests that look inside it."""
+        backend = self.services.backend
+        assert isinstance(backend, LocalBackend)
+        return backend.engine
 
 
 @contextmanager
