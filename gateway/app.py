@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import structlog
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from engine.types import FallbackEvent
 from gateway import openapi
 from gateway.admission import Admission
 from gateway.audit.log import AuditUnavailableError, WitnessPolicy
 from gateway.audit.mac import EventMac
 from gateway.audit.signing import CheckpointSigner, load_public_key
+from gateway.backends.base import GenerationBackend
 from gateway.backends.local import LocalBackend
 from gateway.body_limit import BodySizeLimitMiddleware
 from gateway.db import DatabaseTimeouts, make_db_engine, normalise_url, upgrade_database
@@ -79,7 +81,20 @@ def database_timeouts(settings: Settings) -> DatabaseTimeouts:
     )
 
 
-def start_services(settings: Settings, telemetry: Telemetry) -> Services:
+FallbackListener = Callable[[FallbackEvent], None]
+# What the app serves from: built from the settings, given the fallback listener (audit and
+# metrics) the backend calls on each switch.
+BackendLoader = Callable[[Settings, FallbackListener], GenerationBackend]
+
+
+def load_local_backend(settings: Settings, on_fallback: FallbackListener) -> GenerationBackend:
+    """The built-in engine, loaded from the model directories the settings name."""
+    return LocalBackend.load(engine_config(settings), on_fallback=on_fallback)
+
+
+def start_services(
+    settings: Settings, telemetry: Telemetry, load_backend: BackendLoader = load_local_backend
+) -> Services:
     """Migrate, open the audit log, commit what the last run spooled, mark what it left
     unanswered, load the models and record the `startup` event."""
     url = normalise_url(settings.database_url)
@@ -103,10 +118,7 @@ def start_services(settings: Settings, telemetry: Telemetry) -> Services:
     interrupted = mark_interrupted(audit_log, db, instance)
     if interrupted:
         log.warning("requests_interrupted", count=interrupted)
-    backend = LocalBackend.load(
-        engine_config(settings),
-        on_fallback=telemetry.fallback_listener(fallback_recorder(spool)),
-    )
+    backend = load_backend(settings, telemetry.fallback_listener(fallback_recorder(spool)))
     telemetry.watch_backend(backend)
     try:
         _bootstrap_admin(settings, keys)
@@ -171,13 +183,13 @@ async def _sign_checkpoints(services: Services, interval_s: float) -> None:
             log.warning("checkpoint_not_signed", error=str(error))
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, load_backend: BackendLoader = load_local_backend) -> FastAPI:
     # The egress guard runs first: a refused telemetry endpoint stops startup here.
     telemetry = Telemetry.start(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        services = await run_in_threadpool(start_services, settings, telemetry)
+        services = await run_in_threadpool(start_services, settings, telemetry, load_backend)
         app.state.services = services
         app.state.started_at = int(time.time())
         checkpoints = asyncio.create_task(

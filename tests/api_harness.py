@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from psycopg import sql
 
 from engine.service import Engine
-from gateway.app import create_app
+from gateway.app import BackendLoader, create_app, load_local_backend
 from gateway.backends.local import LocalBackend
 from gateway.dependencies import Services
 from gateway.server import GracefulServer, uvicorn_config
@@ -64,9 +64,11 @@ class LiveGateway:
 
 
 @contextmanager
-def live_gateway(settings: Settings, database: str) -> Iterator[LiveGateway]:
-    """Serve ``create_app(settings)`` on a free port until the block ends."""
-    app = create_app(settings)
+def live_gateway(
+    settings: Settings, database: str, load_backend: BackendLoader = load_local_backend
+) -> Iterator[LiveGateway]:
+    """Serve ``create_app(settings, load_backend)`` on a free port until the block ends."""
+    app = create_app(settings, load_backend)
     listener = socket.socket()
     # Accepted sockets inherit this; without it Nagle's algorithm meets delayed ACKs and
     # every keep-alive response waits ~40 ms (uvicorn sets it only on sockets it binds).
