@@ -1,4 +1,4 @@
-"""The gateway application: ``create_app(settings)`` wires settings, audit log, keys and engine.
+"""The gateway application: ``create_app(settings)`` wires settings, audit log, keys and backend.
 
 Startup order matters for fail-closed auditing: the audit store is migrated and reachable,
 events spooled by the previous run are committed, its unanswered requests are marked
