@@ -34,6 +34,7 @@ import httpx
 from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from gateway.app import create_app
+from gateway.backends.local import LocalBackend
 from gateway.dependencies import Services
 from gateway.generation import build_job
 from gateway.schemas import ChatCompletionRequest
@@ -77,15 +78,15 @@ def _median_ms(call: Callable[[], object], repeats: int = PIECE_REPEATS) -> floa
 def pieces(base_url: str, services: Services, api_key: str, max_tokens: int) -> dict[str, float]:
     """Where the added time goes: each piece of the request path timed on its own (median
     over PIECE_REPEATS), in the serving process, while no request is in flight."""
-    engine = services.engine
+    backend = services.backend
     body = ChatCompletionRequest.model_validate(
-        {"model": engine.model_name, "messages": MESSAGES, "max_tokens": max_tokens}
+        {"model": backend.card.model_name, "messages": MESSAGES, "max_tokens": max_tokens}
     )
     loop = asyncio.new_event_loop()
     offload = services.offload
     principal = services.keys.authenticate(api_key)
     assert principal is not None
-    job = build_job(body, engine, services.settings.max_prompt_bytes)
+    job = build_job(body, backend, services.settings.max_prompt_bytes)
     request_payload = {"request_id": job.request_id, "bench": True, "prompt_tokens": 9}
     completion_payload = {"request_event_id": "bench", "outcome": "ok", "latency_s": 0.01}
     with httpx.Client(base_url=base_url, timeout=60) as client:
@@ -93,7 +94,7 @@ def pieces(base_url: str, services: Services, api_key: str, max_tokens: int) -> 
             "http_round_trip_healthz": _median_ms(lambda: client.get("/healthz")),
             "authentication_lookup": _median_ms(lambda: services.keys.authenticate(api_key)),
             "validate_template_tokenize": _median_ms(
-                lambda: build_job(body, engine, services.settings.max_prompt_bytes)
+                lambda: build_job(body, backend, services.settings.max_prompt_bytes)
             ),
             "request_event_commit": _median_ms(
                 lambda: services.audit.append("bench", principal.key_id, request_payload)
@@ -143,6 +144,13 @@ def serving(settings: Settings) -> Iterator[tuple[str, Services]]:
         server.should_exit = True
         thread.join(timeout=30)
         listener.close()
+
+
+def built_in_engine(services: Services) -> Engine:
+    """The engine the gateway serves from, called directly for the baseline."""
+    backend = services.backend
+    assert isinstance(backend, LocalBackend), "the overhead bench needs the built-in backend"
+    return backend.engine
 
 
 def measure(
@@ -207,7 +215,7 @@ def main() -> None:
         with serving(settings) as (base_url, services):
             _, api_key = services.keys.create("app", "bench-gateway-overhead", "bench")
             direct, through_gateway = measure(
-                base_url, services.engine, api_key, args.requests, args.max_tokens
+                base_url, built_in_engine(services), api_key, args.requests, args.max_tokens
             )
             breakdown = pieces(base_url, services, api_key, args.max_tokens)
             services.keys.revoke("bench-gateway-overhead", "bench")

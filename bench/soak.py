@@ -176,7 +176,7 @@ def main() -> None:
                     drive_in_process,
                     base_url,
                     api_key,
-                    services.engine.model_name,
+                    services.backend.card.model_name,
                     args.requests,
                     args.concurrency,
                     args.max_seconds,

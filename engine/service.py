@@ -284,6 +284,11 @@ class Engine:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def closed(self) -> bool:
+        """Shut down, or its worker thread is gone: it answers no more requests."""
+        return self._closed or not self._worker.is_alive()
+
     def fallback_state(self) -> dict[Method, bool]:
         """Per method: whether the engine has stopped proposing with it, switched off by
         fallback or left idle by adaptive k."""

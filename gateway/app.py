@@ -1,4 +1,4 @@
-"""The gateway application: ``create_app(settings)`` wires settings, audit log, keys and engine.
+"""The gateway application: ``create_app(settings)`` wires settings, audit log, keys and backend.
 
 Startup order matters for fail-closed auditing: the audit store is migrated and reachable,
 events spooled by the previous run are committed, its unanswered requests are marked
@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import structlog
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from engine.service import Engine
+from engine.types import FallbackEvent
 from gateway import openapi
 from gateway.admission import Admission
 from gateway.audit.log import AuditUnavailableError, WitnessPolicy
 from gateway.audit.mac import EventMac
 from gateway.audit.signing import CheckpointSigner, load_public_key
+from gateway.backends.base import GenerationBackend
+from gateway.backends.local import LocalBackend
 from gateway.body_limit import BodySizeLimitMiddleware
 from gateway.db import DatabaseTimeouts, make_db_engine, normalise_url, upgrade_database
 from gateway.dependencies import Services
@@ -79,7 +81,20 @@ def database_timeouts(settings: Settings) -> DatabaseTimeouts:
     )
 
 
-def start_services(settings: Settings, telemetry: Telemetry) -> Services:
+FallbackListener = Callable[[FallbackEvent], None]
+# What the app serves from: built from the settings, given the fallback listener (audit and
+# metrics) the backend calls on each switch.
+BackendLoader = Callable[[Settings, FallbackListener], GenerationBackend]
+
+
+def load_local_backend(settings: Settings, on_fallback: FallbackListener) -> GenerationBackend:
+    """The built-in engine, loaded from the model directories the settings name."""
+    return LocalBackend.load(engine_config(settings), on_fallback=on_fallback)
+
+
+def start_services(
+    settings: Settings, telemetry: Telemetry, load_backend: BackendLoader = load_local_backend
+) -> Services:
     """Migrate, open the audit log, commit what the last run spooled, mark what it left
     unanswered, load the models and record the `startup` event."""
     url = normalise_url(settings.database_url)
@@ -103,24 +118,23 @@ def start_services(settings: Settings, telemetry: Telemetry) -> Services:
     interrupted = mark_interrupted(audit_log, db, instance)
     if interrupted:
         log.warning("requests_interrupted", count=interrupted)
-    engine = Engine.load(
-        engine_config(settings),
-        on_fallback=telemetry.fallback_listener(fallback_recorder(spool)),
-    )
-    telemetry.watch_engine(engine)
+    backend = load_backend(settings, telemetry.fallback_listener(fallback_recorder(spool)))
+    telemetry.watch_backend(backend)
     try:
         _bootstrap_admin(settings, keys)
         audit_log.append(
-            "startup", SYSTEM_ACTOR, {**startup_payload(settings, engine), "instance_id": instance}
+            "startup",
+            SYSTEM_ACTOR,
+            {**startup_payload(settings, backend.card), "instance_id": instance},
         )
     except BaseException:
-        engine.close()
+        backend.close()
         db.dispose()
         raise
     spool.start()
     return Services(
         settings=settings,
-        engine=engine,
+        backend=backend,
         audit=audit_log,
         keys=keys,
         signer=signer,
@@ -140,7 +154,7 @@ def start_services(settings: Settings, telemetry: Telemetry) -> Services:
 
 async def stop_services(services: Services) -> None:
     """Record the `shutdown` event (spooled if the store is away) and a final signed
-    checkpoint (bounded by ``audit_timeout_s``), then stop the engine and the writers."""
+    checkpoint (bounded by ``audit_timeout_s``), then stop the backend and the writers."""
     settings = services.settings
     try:
         await append_durably(
@@ -154,7 +168,7 @@ async def stop_services(services: Services) -> None:
         await services.offload.db(services.audit.checkpoint)
     except AuditUnavailableError as error:
         log.error("shutdown_not_checkpointed", error=str(error))
-    await run_in_threadpool(services.engine.close)
+    await run_in_threadpool(services.backend.close)
     await run_in_threadpool(services.spool.close, settings.audit_timeout_s)
     services.offload.close()
     services.db.dispose()
@@ -169,13 +183,13 @@ async def _sign_checkpoints(services: Services, interval_s: float) -> None:
             log.warning("checkpoint_not_signed", error=str(error))
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, load_backend: BackendLoader = load_local_backend) -> FastAPI:
     # The egress guard runs first: a refused telemetry endpoint stops startup here.
     telemetry = Telemetry.start(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        services = await run_in_threadpool(start_services, settings, telemetry)
+        services = await run_in_threadpool(start_services, settings, telemetry, load_backend)
         app.state.services = services
         app.state.started_at = int(time.time())
         checkpoints = asyncio.create_task(
@@ -183,7 +197,7 @@ def create_app(settings: Settings) -> FastAPI:
         )
         log.info(
             "gateway_started",
-            model=services.engine.model_name,
+            model=services.backend.card.model_name,
             host=settings.host,
             port=settings.port,
         )

@@ -12,10 +12,10 @@ from typing import Annotated
 import sqlalchemy as sa
 from fastapi import Depends, Request
 
-from engine.service import Engine
 from gateway.admission import Admission
 from gateway.audit.log import AuditLog
 from gateway.audit.signing import CheckpointSigner
+from gateway.backends.base import GenerationBackend
 from gateway.errors import APIError
 from gateway.keys import KeyStore
 from gateway.lifecycle import Lifecycle
@@ -28,7 +28,7 @@ from gateway.spool import EventSpool
 @dataclass
 class Services:
     settings: Settings
-    engine: Engine
+    backend: GenerationBackend
     audit: AuditLog
     keys: KeyStore
     signer: CheckpointSigner
@@ -53,8 +53,8 @@ def get_services(request: Request) -> Services:
     return services
 
 
-def get_engine(request: Request) -> Engine:
-    return get_services(request).engine
+def get_backend(request: Request) -> GenerationBackend:
+    return get_services(request).backend
 
 
 def get_audit(request: Request) -> AuditLog:
@@ -70,7 +70,7 @@ def get_settings(request: Request) -> Settings:
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]
-EngineDep = Annotated[Engine, Depends(get_engine)]
+BackendDep = Annotated[GenerationBackend, Depends(get_backend)]
 AuditDep = Annotated[AuditLog, Depends(get_audit)]
 KeysDep = Annotated[KeyStore, Depends(get_keys)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -1,6 +1,6 @@
-"""One audited generation: OpenAI request -> `request` event -> engine -> `completion` event.
+"""One audited generation: OpenAI request -> `request` event -> backend -> `completion` event.
 
-Fail closed: the `request` event is committed before the engine sees the request, and a
+Fail closed: the `request` event is committed before the backend sees the request, and a
 non-streaming response leaves only after its `completion` event is committed; a stream ends
 with ``[DONE]`` only after its `completion` event is committed.
 """
@@ -19,8 +19,6 @@ from typing import Any, Literal
 import anyio
 import structlog
 
-from engine.chat import render_chat
-from engine.service import Engine
 from engine.types import (
     EngineError,
     GenerationRequest,
@@ -31,6 +29,7 @@ from engine.types import (
 )
 from gateway.admission import Slots
 from gateway.audit.log import AppendedEvent, AuditUnavailableError
+from gateway.backends.base import BackendCard, Generation, GenerationBackend
 from gateway.dependencies import Services
 from gateway.errors import (
     APIError,
@@ -76,7 +75,7 @@ class Prompt:
 
 @dataclass
 class Job:
-    """A validated request, ready for the engine."""
+    """A validated request, ready for the backend."""
 
     kind: Kind
     request_id: str
@@ -97,25 +96,25 @@ class Job:
         return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.request_id}"
 
 
-def check_model(requested: str, engine: Engine) -> None:
-    if requested != engine.model_name:
+def check_model(requested: str, card: BackendCard) -> None:
+    if requested != card.model_name:
         raise APIError(
             404,
-            f"The model '{requested}' does not exist. This server serves '{engine.model_name}'.",
+            f"The model '{requested}' does not exist. This server serves '{card.model_name}'.",
             param="model",
             code="model_not_found",
         )
 
 
 def speculative_choice(
-    requested: bool | SpeculativeRequest | None, engine: Engine
+    requested: bool | SpeculativeRequest | None, card: BackendCard
 ) -> SpeculativeChoice:
     if requested is None or requested is True:
         return SpeculativeChoice()
     if requested is False:
         return SpeculativeChoice(method="none")
-    if requested.method not in engine.available_methods:
-        loaded = ", ".join(engine.available_methods)
+    if requested.method not in card.available_methods:
+        loaded = ", ".join(card.available_methods)
         raise APIError(
             400,
             f"Speculation method '{requested.method}' is not loaded on this server; "
@@ -171,7 +170,9 @@ def _check_prompt_bytes(size: int, limit: int, param: str) -> None:
         )
 
 
-def chat_prompt(body: ChatCompletionRequest, engine: Engine, max_prompt_bytes: int) -> Prompt:
+def chat_prompt(
+    body: ChatCompletionRequest, backend: GenerationBackend, max_prompt_bytes: int
+) -> Prompt:
     """Render the messages with the model's chat template (generation prompt added)."""
     messages = [
         {
@@ -182,8 +183,7 @@ def chat_prompt(body: ChatCompletionRequest, engine: Engine, max_prompt_bytes: i
     ]
     size = sum(len(message["content"].encode("utf-8")) for message in messages)
     _check_prompt_bytes(size, max_prompt_bytes, "messages")
-    text = render_chat(engine.tokenizer, messages)
-    token_ids = tuple(engine.tokenizer.encode(text, add_special_tokens=False))
+    text, token_ids = backend.render_chat(messages)
     return Prompt(
         token_ids,
         sha256_text(text),
@@ -192,7 +192,9 @@ def chat_prompt(body: ChatCompletionRequest, engine: Engine, max_prompt_bytes: i
     )
 
 
-def completion_prompt(body: CompletionRequest, engine: Engine, max_prompt_bytes: int) -> Prompt:
+def completion_prompt(
+    body: CompletionRequest, backend: GenerationBackend, max_prompt_bytes: int
+) -> Prompt:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -206,19 +208,19 @@ def completion_prompt(body: CompletionRequest, engine: Engine, max_prompt_bytes:
         if not prompt:
             raise APIError(400, "The prompt must not be empty.", param="prompt")
         _check_prompt_bytes(len(prompt.encode("utf-8")), max_prompt_bytes, "prompt")
-        token_ids = tuple(engine.tokenizer.encode(prompt))
+        token_ids = backend.tokenize(prompt)
         return Prompt(token_ids, sha256_text(prompt), prompt, "prompt")
     token_ids = tuple(int(token) for token in prompt)  # type: ignore[arg-type]
     if not token_ids:
         raise APIError(400, "The prompt must not be empty.", param="prompt")
-    vocab = engine.vocab_size
+    vocab = backend.card.vocab_size
     if any(token < 0 or token >= vocab for token in token_ids):
         raise APIError(400, f"Token ids in the prompt must lie in [0, {vocab}).", param="prompt")
     return Prompt(token_ids, sha256_token_ids(token_ids), list(token_ids), "prompt")
 
 
 def _max_tokens(
-    body: ChatCompletionRequest | CompletionRequest, prompt: Prompt, engine: Engine
+    body: ChatCompletionRequest | CompletionRequest, prompt: Prompt, card: BackendCard
 ) -> int:
     requested = body.max_tokens
     param = "max_tokens"
@@ -228,14 +230,14 @@ def _max_tokens(
                 400, "max_tokens and max_completion_tokens disagree; send one.", param="max_tokens"
             )
         requested, param = body.max_completion_tokens, "max_completion_tokens"
-    room = engine.max_context - len(prompt.token_ids)
+    room = card.max_context - len(prompt.token_ids)
     if requested is None and room > 0:
         return room
     asked = requested if requested is not None else 1
     if asked > room:
         raise APIError(
             400,
-            f"This model's maximum context length is {engine.max_context} tokens. However, you "
+            f"This model's maximum context length is {card.max_context} tokens. However, you "
             f"requested {len(prompt.token_ids) + asked} tokens ({len(prompt.token_ids)} in the "
             f"{prompt.param}, {asked} in the completion). Please reduce the length of the "
             f"{prompt.param} or completion.",
@@ -246,11 +248,14 @@ def _max_tokens(
 
 
 def build_job(
-    body: ChatCompletionRequest | CompletionRequest, engine: Engine, max_prompt_bytes: int
+    body: ChatCompletionRequest | CompletionRequest,
+    backend: GenerationBackend,
+    max_prompt_bytes: int,
 ) -> Job:
-    """Check the request against the loaded model; raises APIError naming the parameter.
+    """Check the request against the served model; raises APIError naming the parameter.
     Templating and tokenizing are CPU work: call it off the event loop."""
-    check_model(body.model, engine)
+    card = backend.card
+    check_model(body.model, card)
     check_text(body)
     if body.stream_options is not None and not body.stream:
         raise APIError(
@@ -258,11 +263,11 @@ def build_job(
         )
     kind: Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
     prompt = (
-        chat_prompt(body, engine, max_prompt_bytes)
+        chat_prompt(body, backend, max_prompt_bytes)
         if isinstance(body, ChatCompletionRequest)
-        else completion_prompt(body, engine, max_prompt_bytes)
+        else completion_prompt(body, backend, max_prompt_bytes)
     )
-    max_tokens = _max_tokens(body, prompt, engine)
+    max_tokens = _max_tokens(body, prompt, card)
     sampling = [
         SamplingParams(
             max_tokens=max_tokens,
@@ -279,7 +284,7 @@ def build_job(
         request_id=uuid.uuid4().hex,
         prompt=prompt,
         sampling=sampling,
-        speculative=speculative_choice(body.speculative, engine),
+        speculative=speculative_choice(body.speculative, card),
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         user=body.user,
@@ -316,7 +321,7 @@ class _ChoiceState:
 
 @dataclass
 class AuditedGeneration:
-    """Runs one Job against the engine, with its `request` and `completion` events."""
+    """Runs one Job against the backend, with its `request` and `completion` events."""
 
     services: Services
     principal: Principal
@@ -326,7 +331,7 @@ class AuditedGeneration:
     request_event: AppendedEvent | None = None
     choices: list[_ChoiceState] = field(default_factory=list)
     telemetry: CompletionTelemetry | None = None
-    handles: list[Any] = field(default_factory=list)
+    handles: list[Generation] = field(default_factory=list)
     closed: bool = False
 
     @property
@@ -335,19 +340,19 @@ class AuditedGeneration:
         return self.request_event.event_id
 
     @property
-    def engine(self) -> Engine:
-        return self.services.engine
+    def backend(self) -> GenerationBackend:
+        return self.services.backend
 
-    async def open(self) -> list[Any]:
-        """Commit the `request` event, then submit; returns the engine handles.
+    async def open(self) -> list[Generation]:
+        """Commit the `request` event, then submit; returns the backend's generations.
 
-        Runs under the completion's GenAI span, so that the audit write and the engine's spans
+        Runs under the completion's GenAI span, so that the audit write and the backend's spans
         are its children; `close` ends the span, or this method when nothing was audited."""
         job = self.job
         prompt = job.prompt.content
         self.telemetry = self.services.telemetry.start_completion(
             operation=GENAI_OPERATIONS[job.kind],
-            model=self.engine.model_name,
+            model=self.backend.card.model_name,
             sampling=job.sampling[0],
             input_messages=prompt if job.kind == "chat" else [{"role": "user", "content": prompt}],
         )
@@ -360,10 +365,10 @@ class AuditedGeneration:
                     self.telemetry.end()
                 raise
 
-    async def _submit(self) -> list[Any]:
+    async def _submit(self) -> list[Generation]:
         job = self.job
         payload = request_payload(
-            engine=self.engine,
+            card=self.backend.card,
             principal=self.principal,
             route=job.route,
             request_id=job.request_id,
@@ -397,7 +402,7 @@ class AuditedGeneration:
                     speculative=job.speculative,
                     request_id=f"{job.request_id}-{index}",
                 )
-                handles.append(self.engine.submit(request))
+                handles.append(self.backend.submit(request))
         except EngineError as error:
             for handle in handles:
                 handle.cancel()
@@ -445,10 +450,10 @@ class AuditedGeneration:
             raise completion_not_recorded() from error
         return results
 
-    async def stream(self, handles: list[Any]) -> AsyncIterator[str]:
+    async def stream(self, handles: list[Generation]) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, then usage (when asked), then
         ``[DONE]`` once the `completion` event is committed. Choices stream one after another."""
-        chunks = StreamChunks(self.job, self.services.engine)
+        chunks = StreamChunks(self.job, self.backend.card)
         try:
             for index, handle in enumerate(handles):
                 state = self.choices[index]
@@ -517,7 +522,7 @@ class AuditedGeneration:
         )
 
     def finish(self) -> None:
-        """Give back the request's admission slots and stop tracking its engine work."""
+        """Give back the request's admission slots and stop tracking its backend work."""
         self.services.lifecycle.forget(self.handles)
         if self.slots is not None:
             self.slots.release()
@@ -536,7 +541,7 @@ class AuditedGeneration:
         if stats is not None:
             telemetry.record_result(
                 response_id=self.job.response_id,
-                response_model=self.engine.model_name,
+                response_model=self.backend.card.model_name,
                 finish_reasons=[s.finish_reason for s in self.choices if s.finish_reason],
                 stats=stats,
                 output_texts=[state.text for state in self.choices],
@@ -565,23 +570,23 @@ class AuditedGeneration:
             log.error("completion_not_audited", outcome=outcome, error=str(audit_error))
 
 
-def system_fingerprint(engine: Engine) -> str:
+def system_fingerprint(card: BackendCard) -> str:
     """Changes whenever the target model's weights, config or tokenizer change."""
-    return "fp_" + engine.target_version.split(":")[-1][:12]
+    return "fp_" + card.target_version.split(":")[-1][:12]
 
 
 class StreamChunks:
     """Chunks in OpenAI's streaming shapes (``chat.completion.chunk``, ``text_completion``)."""
 
-    def __init__(self, job: Job, engine: Engine) -> None:
+    def __init__(self, job: Job, card: BackendCard) -> None:
         self.job = job
         self.include_usage = job.include_usage
         self.base: dict[str, Any] = {
             "id": job.response_id,
             "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
             "created": job.created,
-            "model": engine.model_name,
-            "system_fingerprint": system_fingerprint(engine),
+            "model": card.model_name,
+            "system_fingerprint": system_fingerprint(card),
         }
 
     def choice(self, index: int, body: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:

@@ -1,12 +1,13 @@
 """Graceful shutdown: on SIGTERM, running generations may finish for ``shutdown_grace_s``;
-those still running then are ended: their engine work is cancelled and their waits receive
+those still running then are ended: their backend work is cancelled and their waits receive
 ``ShutdownError``, so that each answers with an error (a stream: an error chunk) and records a
 `completion` event with outcome ``shutdown``."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+
+from gateway.backends.base import Generation
 
 
 class ShutdownError(Exception):
@@ -17,15 +18,15 @@ class Lifecycle:
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
         self.stopping = False
-        self._handles: set[Any] = set()
+        self._handles: set[Generation] = set()
         self._grace_timer: asyncio.TimerHandle | None = None
 
-    def track(self, handles: list[Any]) -> None:
+    def track(self, handles: list[Generation]) -> None:
         self._handles.update(handles)
         if self.stopping and self._grace_timer is None:
             self._end_running()
 
-    def forget(self, handles: list[Any]) -> None:
+    def forget(self, handles: list[Generation]) -> None:
         self._handles.difference_update(handles)
 
     @property

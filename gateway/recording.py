@@ -13,9 +13,9 @@ from typing import Any
 
 import structlog
 
-from engine.service import Engine
 from engine.types import FallbackEvent, GenerationStats, SamplingParams, SpeculativeChoice
 from gateway.audit.log import AppendedEvent, AuditLog, AuditUnavailableError
+from gateway.backends.base import BackendCard
 from gateway.keys import Principal
 from gateway.offload import Offload
 from gateway.settings import Settings
@@ -66,28 +66,28 @@ async def append_durably(
     return False
 
 
-def models_in_use(engine: Engine) -> dict[str, Any]:
+def models_in_use(card: BackendCard) -> dict[str, Any]:
     return {
-        "model": engine.model_name,
-        "target_version": engine.target_version,
-        "draft": engine.draft_name,
-        "draft_version": engine.draft_version,
+        "model": card.model_name,
+        "target_version": card.target_version,
+        "draft": card.draft_name,
+        "draft_version": card.draft_version,
     }
 
 
-def startup_payload(settings: Settings, engine: Engine) -> dict[str, Any]:
+def startup_payload(settings: Settings, card: BackendCard) -> dict[str, Any]:
     return {
         "config": settings.public_snapshot(),
-        **models_in_use(engine),
-        "available_methods": list(engine.available_methods),
-        "speculative_config": engine.speculative_config.model_dump(mode="json"),
-        "max_context": engine.max_context,
+        **models_in_use(card),
+        "available_methods": list(card.available_methods),
+        "speculative_config": card.speculative_config,
+        "max_context": card.max_context,
     }
 
 
 def request_payload(
     *,
-    engine: Engine,
+    card: BackendCard,
     principal: Principal,
     route: str,
     request_id: str,
@@ -107,12 +107,12 @@ def request_payload(
         "key_id": principal.key_id,
         "key_name": principal.name,
         "user": user,
-        **models_in_use(engine),
+        **models_in_use(card),
         "speculative": {
             "requested_method": speculative.method,
             "requested_num_speculative_tokens": speculative.num_speculative_tokens,
-            "default_method": engine.speculative_config.method,
-            "default_num_speculative_tokens": engine.speculative_config.num_speculative_tokens,
+            "default_method": card.default_method,
+            "default_num_speculative_tokens": card.default_num_speculative_tokens,
         },
         "sampling": {
             "max_tokens": sampling.max_tokens,
@@ -194,9 +194,9 @@ def completion_payload(
 
 
 def fallback_recorder(spool: EventSpool) -> Callable[[FallbackEvent], None]:
-    """The engine's ``on_fallback`` callback: a `fallback` event per switch.
+    """The backend's ``on_fallback`` callback: a `fallback` event per switch.
 
-    It runs on the engine's worker thread, so it only writes the event to the durable spool
+    It runs on the backend's worker thread, so it only writes the event to the durable spool
     (local disk, never the database); the spool's writer commits it, retrying until the store
     takes it. A spool that cannot be written is logged, never raised into the engine.
     """

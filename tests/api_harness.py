@@ -16,7 +16,9 @@ import psycopg
 from fastapi import FastAPI
 from psycopg import sql
 
-from gateway.app import create_app
+from engine.service import Engine
+from gateway.app import BackendLoader, create_app, load_local_backend
+from gateway.backends.local import LocalBackend
 from gateway.dependencies import Services
 from gateway.server import GracefulServer, uvicorn_config
 from gateway.settings import Settings
@@ -53,11 +55,20 @@ class LiveGateway:
         services: Services = self.app.state.services
         return services
 
+    @property
+    def engine(self) -> Engine:
+        """The built-in engine behind the gateway, for tests that look inside it."""
+        backend = self.services.backend
+        assert isinstance(backend, LocalBackend)
+        return backend.engine
+
 
 @contextmanager
-def live_gateway(settings: Settings, database: str) -> Iterator[LiveGateway]:
-    """Serve ``create_app(settings)`` on a free port until the block ends."""
-    app = create_app(settings)
+def live_gateway(
+    settings: Settings, database: str, load_backend: BackendLoader = load_local_backend
+) -> Iterator[LiveGateway]:
+    """Serve ``create_app(settings, load_backend)`` on a free port until the block ends."""
+    app = create_app(settings, load_backend)
     listener = socket.socket()
     # Accepted sockets inherit this; without it Nagle's algorithm meets delayed ACKs and
     # every keep-alive response waits ~40 ms (uvicorn sets it only on sockets it binds).

@@ -88,7 +88,7 @@ def test_cheap_ngram_stays_on_and_a_costly_draft_goes_off_at_the_same_acceptance
     assert proposed > 4 * WINDOW  # the window filled and was judged several times
     assert 0.25 < accepted / proposed < 0.55  # below the seed's 60 % rule
     assert not any(s["fallback_active"] for s in ngram)
-    figures = live.services.engine._monitor.figures("ngram")
+    figures = live.engine._monitor.figures("ngram")
     assert figures.speedup is not None and figures.speedup > 1.0
     assert not [e for e in fallback_events(live) if e["method"] == "ngram"]
     assert disabled_gauge(live, "ngram") == 0

@@ -147,7 +147,7 @@ def test_chat_completion_with_the_openai_client(
     assert len(reply.choices) == 1
     assert reply.choices[0].message.role == "assistant"
     assert reply.choices[0].finish_reason in ("stop", "length")
-    engine = gateway.services.engine
+    engine = gateway.engine
     template = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
     )
@@ -236,7 +236,7 @@ def test_completion_with_text_and_with_the_same_token_ids(
 ) -> None:
     prompt = "def add(a, b):"
     from_text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
-    token_ids = gateway.services.engine.tokenizer.encode(prompt)
+    token_ids = gateway.engine.tokenizer.encode(prompt)
     from_ids = client.completions.create(model=MODEL, prompt=token_ids, max_tokens=8, temperature=0)
     assert from_text.object == "text_completion"
     assert from_text.choices[0].text == from_ids.choices[0].text
@@ -267,7 +267,7 @@ def test_models_list_and_retrieve(gateway: LiveGateway, client: openai.OpenAI) -
     listed = client.models.list().data
     assert [model.id for model in listed] == [MODEL]
     card = listed[0].model_extra or {}
-    assert card["target_version"] == gateway.services.engine.target_version
+    assert card["target_version"] == gateway.services.backend.card.target_version
     assert card["speculative_methods"] == ["none", "ngram", "draft"]
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
@@ -387,8 +387,8 @@ def test_bootstrap_admin_key_is_stored_once(gateway: LiveGateway) -> None:
     (startup,) = events(gateway, "startup")
     assert BOOTSTRAP_KEY not in json.dumps(startup.payload)
     assert startup.payload["config"]["bootstrap_admin_key_set"] is True
-    assert startup.payload["target_version"] == gateway.services.engine.target_version
-    assert startup.payload["draft_version"] == gateway.services.engine.draft_version
+    assert startup.payload["target_version"] == gateway.services.backend.card.target_version
+    assert startup.payload["draft_version"] == gateway.services.backend.card.draft_version
 
 
 # --- bad input: always a 4xx in OpenAI's shape, naming the parameter -------------------
@@ -542,7 +542,7 @@ def test_audit_id_names_the_request_and_its_completion(gateway: LiveGateway) -> 
     assert payload["key_id"] == key.key_id and payload["key_name"] == "test-app"
     assert payload["route"] == "/v1/chat/completions"
     assert payload["model"] == MODEL and payload["draft"] == "draft"
-    assert payload["target_version"] == gateway.services.engine.target_version
+    assert payload["target_version"] == gateway.services.backend.card.target_version
     assert payload["sampling"] == {
         "max_tokens": 8,
         "temperature": 0.7,
@@ -647,7 +647,7 @@ def _terminate_connections(database: str) -> None:
 def test_unwritable_audit_log_refuses_requests_before_the_engine(
     gateway: LiveGateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = gateway.services.engine
+    engine = gateway.engine
     submitted: list[object] = []
     real_submit = engine.submit
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
-from engine.service import Engine
+from gateway.backends.base import BackendCard
 from gateway.cli_serve import serve
 from gateway.errors import APIError
 from gateway.generation import speculative_choice
@@ -200,8 +200,8 @@ def test_serve_stops_on_invalid_configuration_naming_the_field(tmp_path: Path) -
     assert "specgate models build-demo" in no_demo.output
 
 
-def _engine_with(methods: tuple[str, ...]) -> Engine:
-    return cast(Engine, SimpleNamespace(available_methods=methods))
+def _card_with(methods: tuple[str, ...]) -> BackendCard:
+    return cast(BackendCard, SimpleNamespace(available_methods=methods))
 
 
 @pytest.mark.parametrize(
@@ -216,13 +216,13 @@ def _engine_with(methods: tuple[str, ...]) -> Engine:
 def test_speculative_field_maps_onto_the_engine_choice(
     requested: Any, expected: tuple[Any, Any]
 ) -> None:
-    choice = speculative_choice(requested, _engine_with(("none", "ngram")))
+    choice = speculative_choice(requested, _card_with(("none", "ngram")))
     assert (choice.method, choice.num_speculative_tokens) == expected
 
 
 def test_an_unloaded_method_is_a_400_naming_it() -> None:
     with pytest.raises(APIError) as raised:
-        speculative_choice(SpeculativeRequest(method="draft"), _engine_with(("none", "ngram")))
+        speculative_choice(SpeculativeRequest(method="draft"), _card_with(("none", "ngram")))
     error = raised.value
     assert (error.status_code, error.param, error.code) == (
         400,

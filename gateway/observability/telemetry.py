@@ -2,7 +2,7 @@
 
 ``Telemetry.start(settings)`` runs the egress guard over every outbound URL before anything
 is exported, then installs tracing if it is configured. The app then calls
-:meth:`Telemetry.instrument` once, :meth:`watch_engine` once the engine is loaded, opens each
+:meth:`Telemetry.instrument` once, :meth:`watch_backend` once the backend is loaded, opens each
 completion's GenAI span with :meth:`start_completion`, and appends audit events through
 :class:`gateway.observability.audit.ObservedAuditLog`, which wraps each in :meth:`audit_write`.
 """
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
     from starlette.responses import Response
 
-    from engine.service import Engine
+    from gateway.backends.base import GenerationBackend
 
 METRICS_PATH = "/metrics"
 # Paths that get no HTTP server span: scrapes and probes would drown the traces.
@@ -166,13 +166,14 @@ class Telemetry:
 
         return Response(self.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
-    def watch_engine(self, engine: Engine) -> None:
-        """Expose the engine's queue depth and fallback state as gauges read at scrape time."""
+    def watch_backend(self, backend: GenerationBackend) -> None:
+        """Expose the backend's queue depth and fallback state as gauges read at scrape time."""
+        card = backend.card
         self.metrics.watch_engine(
-            engine.model_name,
-            tuple(m for m in engine.available_methods if m != "none"),
-            lambda: engine.queue_depth,
-            engine.fallback_state,
+            card.model_name,
+            tuple(m for m in card.available_methods if m != "none"),
+            lambda: backend.queue_depth,
+            backend.fallback_state,
         )
 
     def fallback_listener(

@@ -79,7 +79,7 @@ async def _start(
     slots = services.admission.admit(body.n)
     try:
         job = await services.offload.prepare(
-            build_job, body, services.engine, services.settings.max_prompt_bytes
+            build_job, body, services.backend, services.settings.max_prompt_bytes
         )
     except BaseException:
         slots.release()
@@ -125,8 +125,8 @@ async def chat_completions(
         ChatCompletion(
             id=job.response_id,
             created=job.created,
-            model=services.engine.model_name,
-            system_fingerprint=system_fingerprint(services.engine),
+            model=services.backend.card.model_name,
+            system_fingerprint=system_fingerprint(services.backend.card),
             choices=[
                 ChatChoice(
                     index=i, message=ResponseMessage(content=r.text), finish_reason=r.finish_reason
@@ -154,8 +154,8 @@ async def completions(
         Completion(
             id=job.response_id,
             created=job.created,
-            model=services.engine.model_name,
-            system_fingerprint=system_fingerprint(services.engine),
+            model=services.backend.card.model_name,
+            system_fingerprint=system_fingerprint(services.backend.card),
             choices=[
                 CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
                 for i, r in enumerate(results)

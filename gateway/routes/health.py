@@ -40,7 +40,9 @@ async def _audit_integrity(services: Services) -> bool:
 async def readyz(request: Request) -> JSONResponse:
     services: Services | None = request.app.state.services
     checks = {
-        "engine": services is not None and not services.lifecycle.stopping,
+        "engine": services is not None
+        and not services.lifecycle.stopping
+        and services.backend.health().ready,
         "audit_store": services is not None and await _audit_reachable(services),
         "audit_integrity": services is not None and await _audit_integrity(services),
     }

@@ -1,0 +1,1 @@
+"""Generation backends: what serves the tokens behind the gateway (``base`` is the seam)."""

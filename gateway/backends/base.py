@@ -1,0 +1,93 @@
+"""The one seam between the gateway and whatever generates tokens.
+
+Routes, recording, telemetry and the audit code depend only on what is defined here; the
+built-in engine (``gateway.backends.local``) is one implementation. The shared vocabulary of
+requests, deltas, results, statistics and errors is ``engine.types``, which has no torch or
+model code in it, so a remote backend can speak it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.types import (
+    GenerationRequest,
+    GenerationResult,
+    Method,
+    StreamDelta,
+)
+
+
+@dataclass(frozen=True)
+class BackendCard:
+    """What a backend serves: the model and its versioned artefacts, recorded in the audit
+    log and answered by ``GET /v1/models``. ``speculative_config`` is in vLLM's
+    ``--speculative-config`` terms (JSON-ready); ``default_method`` is what a request that
+    asks for nothing gets."""
+
+    model_name: str
+    target_version: str
+    draft_name: str | None
+    draft_version: str | None
+    max_context: int
+    vocab_size: int
+    available_methods: tuple[Method, ...]
+    speculative_config: dict[str, Any]
+    default_method: Method
+    default_num_speculative_tokens: int | None
+
+
+@dataclass(frozen=True)
+class BackendHealth:
+    """Whether the backend can take requests now, and if not, why (for ``/readyz``)."""
+
+    ready: bool
+    detail: str | None = None
+
+
+class Generation(Protocol):
+    """One submitted choice. Its deltas end with one carrying ``finish_reason`` and stats;
+    ``put`` ends it early with an error (the gateway's shutdown does this)."""
+
+    def cancel(self) -> None: ...
+
+    def put(self, item: StreamDelta | BaseException) -> None: ...
+
+    def deltas(self) -> AsyncIterator[StreamDelta]: ...
+
+    async def result_async(self) -> GenerationResult: ...
+
+
+class GenerationBackend(Protocol):
+    """A source of generations. Template rendering and tokenizing are CPU work: callers run
+    ``render_chat`` and ``tokenize`` off the event loop. ``submit`` does not block: it
+    queues the request or raises an ``engine.types.EngineError`` (queue full, closed, bad
+    request)."""
+
+    @property
+    def card(self) -> BackendCard: ...
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> tuple[str, tuple[int, ...]]:
+        """The prompt text for chat messages (generation prompt added) and its token ids."""
+        ...
+
+    def tokenize(self, text: str) -> tuple[int, ...]:
+        """Token ids of a plain completion prompt."""
+        ...
+
+    def submit(self, request: GenerationRequest) -> Generation: ...
+
+    def health(self) -> BackendHealth: ...
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for the backend (a gauge read at scrape time)."""
+        ...
+
+    def fallback_state(self) -> dict[Method, bool]:
+        """Per speculation method: whether it is switched off now."""
+        ...
+
+    def close(self) -> None: ...

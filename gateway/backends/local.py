@@ -1,0 +1,71 @@
+"""The built-in speculative engine as a ``GenerationBackend``.
+
+The only gateway module that imports ``engine.service`` (``gateway.app`` wires it); the rest
+of the gateway sees ``gateway.backends.base`` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from engine.chat import render_chat
+from engine.config import EngineConfig
+from engine.service import Engine, RequestHandle
+from engine.types import FallbackEvent, GenerationRequest, Method
+from gateway.backends.base import BackendCard, BackendHealth
+
+
+class LocalBackend:
+    """Serves from an in-process ``Engine``; ``engine`` stays reachable for the wiring and
+    for tests that look inside it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        spec = engine.speculative_config
+        self._card = BackendCard(
+            model_name=engine.model_name,
+            target_version=engine.target_version,
+            draft_name=engine.draft_name,
+            draft_version=engine.draft_version,
+            max_context=engine.max_context,
+            vocab_size=engine.vocab_size,
+            available_methods=engine.available_methods,
+            speculative_config=spec.model_dump(mode="json"),
+            default_method=spec.method,
+            default_num_speculative_tokens=spec.num_speculative_tokens,
+        )
+
+    @classmethod
+    def load(
+        cls, config: EngineConfig, on_fallback: Callable[[FallbackEvent], None] | None = None
+    ) -> LocalBackend:
+        return cls(Engine.load(config, on_fallback=on_fallback))
+
+    @property
+    def card(self) -> BackendCard:
+        return self._card
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> tuple[str, tuple[int, ...]]:
+        text = render_chat(self.engine.tokenizer, messages)
+        return text, tuple(self.engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def tokenize(self, text: str) -> tuple[int, ...]:
+        return tuple(self.engine.tokenizer.encode(text))
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        return self.engine.submit(request)
+
+    def health(self) -> BackendHealth:
+        if self.engine.closed:
+            return BackendHealth(False, "the engine is shut down")
+        return BackendHealth(True)
+
+    @property
+    def queue_depth(self) -> int:
+        return self.engine.queue_depth
+
+    def fallback_state(self) -> dict[Method, bool]:
+        return self.engine.fallback_state()
+
+    def close(self) -> None:
+        self.engine.close()
