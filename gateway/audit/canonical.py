@@ -82,13 +82,19 @@ def event_hash(
     payload: dict[str, Any],
     prev_hash: str,
 ) -> str:
-    data = event_bytes(
-        seq=seq,
-        event_id=event_id,
-        created_at=created_at,
-        kind=kind,
-        actor=actor,
-        payload=payload,
-        prev_hash=prev_hash,
+    return chain_hash(
+        event_bytes(
+            seq=seq,
+            event_id=event_id,
+            created_at=created_at,
+            kind=kind,
+            actor=actor,
+            payload=payload,
+            prev_hash=prev_hash,
+        )
     )
-    return hashlib.sha256(data).hexdigest()
+
+
+def chain_hash(canonical: bytes) -> str:
+    """The chain's ``event_hash`` of an event's canonical bytes (hex SHA-256)."""
+    return hashlib.sha256(canonical).hexdigest()

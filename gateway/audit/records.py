@@ -25,7 +25,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from gateway.audit.canonical import canonical_json, event_bytes, event_hash
+from gateway.audit.canonical import canonical_json, chain_hash, event_bytes
 from gateway.audit.merkle import HASH_SIZE
 
 ExportFormat = Literal["jsonl", "csv"]
@@ -76,15 +76,7 @@ class EventRecord:
         )
 
     def computed_hash(self) -> str:
-        return event_hash(
-            seq=self.seq,
-            event_id=self.event_id,
-            created_at=self.created_at,
-            kind=self.kind,
-            actor=self.actor,
-            payload=self.payload,
-            prev_hash=self.prev_hash,
-        )
+        return chain_hash(self.canonical_bytes())
 
 
 def b64(digest: bytes) -> str:
