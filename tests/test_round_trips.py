@@ -50,3 +50,29 @@ def test_key_lookup_sends_no_transaction_commands(
     assert commands == []
     store.revoke("billing", actor="admin")
     assert store.authenticate(plaintext) is None
+
+
+def test_an_append_is_one_locking_read_and_its_writes(
+    pg: sa.Engine, tmp_path: Path, commands: list[bytes]
+) -> None:
+    """BEGIN, the head row locked (its lock timeout set in the same statement), the event,
+    the Merkle nodes it completes, the new head, COMMIT: nothing else reaches the server."""
+    log = AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem"), lock_timeout_s=0.5)
+    log.append("request", "key_a", {"i": 0})
+    statements: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(" ".join(statement.split()[:3]))
+
+    sa.event.listen(pg, "before_cursor_execute", record)
+    commands.clear()
+    log.append("request", "key_a", {"i": 1})  # the second leaf completes a level-1 node
+    sa.event.remove(pg, "before_cursor_execute", record)
+    assert statements == [
+        "SELECT audit_head.id, audit_head.tree_size,",
+        "INSERT INTO audit_events",
+        "INSERT INTO audit_merkle_nodes",
+        "UPDATE audit_head SET",
+    ]
+    assert commands == [b"BEGIN", b"COMMIT"]
+    assert log.verify().ok
