@@ -215,31 +215,15 @@ def _insert(
         nodes += [{"level": n[0], "idx": n[1], "hash": h} for n, h in frontier.append(leaf) if n[0]]
         appended.append(AppendedEvent(seq, event_id, digest, created_at, leaf))
         prev_hash = digest
-    new_head = (
+    connection.execute(sa.insert(audit_events), rows)
+    if nodes:
+        connection.execute(sa.insert(audit_merkle_nodes), nodes)
+    connection.execute(
         sa.update(audit_head)
         .where(audit_head.c.id == 1)
         .values(tree_size=seq, head_hash=prev_hash, frontier=b"".join(frontier.hashes))
     )
-    if connection.dialect.name == "postgresql":
-        connection.execute(_one_statement_write(rows, nodes, new_head))
-    else:
-        connection.execute(sa.insert(audit_events), rows)
-        if nodes:
-            connection.execute(sa.insert(audit_merkle_nodes), nodes)
-        connection.execute(new_head)
     return appended[1:] if declare else appended, frontier
-
-
-def _one_statement_write(
-    rows: list[dict[str, Any]], nodes: list[dict[str, Any]], new_head: sa.Update
-) -> sa.Insert:
-    """The events, their Merkle nodes and the new head as one PostgreSQL statement (the
-    writes ride in data-modifying CTEs): one round trip instead of three under the lock. The
-    three touch different tables and read nothing, so sharing one snapshot changes nothing."""
-    statement = sa.insert(audit_events).values(rows)
-    if nodes:
-        statement = statement.add_cte(sa.insert(audit_merkle_nodes).values(nodes).cte("nodes"))
-    return statement.add_cte(new_head.cte("head"))
 
 
 def legacy_declaration_due(connection: sa.Connection, head: sa.Row[Any]) -> bool:
