@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+import sqlalchemy as sa
 
 from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
@@ -102,6 +103,7 @@ def pieces(base_url: str, services: Services, api_key: str, max_tokens: int) -> 
             "completion_event_commit": _median_ms(
                 lambda: services.audit.append("bench", principal.key_id, completion_payload)
             ),
+            **_commit_floor(services),
             "thread_hand_off_db_pool": _median_ms(
                 lambda: loop.run_until_complete(offload.db(lambda: None))
             ),
@@ -111,6 +113,20 @@ def pieces(base_url: str, services: Services, api_key: str, max_tokens: int) -> 
         }
     loop.close()
     return figures
+
+
+def _commit_floor(services: Services) -> dict[str, float]:
+    """PostgreSQL only: the cheapest durable commit (a transaction id assigned, nothing
+    written), i.e. the WAL flush every audit commit waits for; the rest of an append's time
+    is the gateway's own."""
+    if services.db.dialect.name != "postgresql":
+        return {}
+
+    def commit() -> None:
+        with services.db.begin() as connection:
+            connection.execute(sa.select(sa.func.txid_current()))
+
+    return {"durable_commit_floor": _median_ms(commit)}
 
 
 def percentiles(samples_s: list[float]) -> Percentiles:

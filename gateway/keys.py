@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from gateway.audit.log import AuditLog, AuditUnavailableError
 from gateway.audit.schema import api_keys
-from gateway.db import write_connection
+from gateway.db import read_connection, write_connection
 
 Role = Literal["app", "auditor", "admin"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -116,7 +116,7 @@ class KeyStore:
         """The principal of an active key, or None. Raises AuditUnavailableError when the
         database cannot be asked."""
         try:
-            with self._db.connect() as connection:
+            with read_connection(self._db) as connection:
                 row = connection.execute(
                     sa.select(api_keys.c.key_id, api_keys.c.name, api_keys.c.role).where(
                         api_keys.c.key_hash == hash_key(plaintext),

@@ -137,11 +137,15 @@ def _frontier(size: int, packed: bytes) -> CompactRange:
 
 
 def lock_head(connection: sa.Connection, lock_timeout_s: float) -> sa.Row[Any]:
-    """Take the append lock (the head row) inside the open transaction; returns the row."""
+    """Take the append lock (the head row) inside the open transaction; returns the row.
+
+    On PostgreSQL the wait is bounded by ``lock_timeout_s`` set in the locking statement
+    itself: ``set_config(..., true)`` is ``SET LOCAL``, and the row filter that calls it runs
+    before the row lock is requested, so the bound holds without a round trip of its own."""
     query = sa.select(audit_head).where(audit_head.c.id == 1)
     if connection.dialect.name == "postgresql":
-        connection.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(lock_timeout_s * 1000)}ms'")
-        query = query.with_for_update()
+        timeout = sa.func.set_config("lock_timeout", f"{int(lock_timeout_s * 1000)}ms", True)
+        query = query.where(timeout.is_not(None)).with_for_update()
     row = connection.execute(query).first()
     if row is None:
         raise AuditUnavailableError("audit_head row is missing: run `specgate db upgrade`")
