@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from typer import Typer
@@ -13,8 +14,16 @@ from typer.testing import CliRunner
 
 from bench.cli import bench
 from bench.costs import PassCosts
-from bench.report import RunTable, recommend, summarise, theoretical_speedup
+from bench.report import (
+    DivergenceTable,
+    RunTable,
+    markdown,
+    recommend,
+    summarise,
+    theoretical_speedup,
+)
 from bench.variants import Run, Variant
+from engine.divergence import Divergence, rounding_bound
 from engine.types import GenerationStats, Method
 from tests.tiny_models import build_pair
 
@@ -117,3 +126,49 @@ def test_bench_command_runs_every_method_on_tiny_models(tmp_path: Path) -> None:
     assert report["recommendations"]["mine"].startswith("mine: ")
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "| mine | draft k=3 |" in (out / "bench.md").read_text()
+
+
+def _diverging_table() -> RunTable:
+    table = _table()
+    table[("code", "p1", NGRAM)] = [Run((1, 2, 7, 4), 1.5, _stats("ngram", 2, 8, 4))] * 3
+    table[("code", "p1", DRAFT)] = [Run((1, 8, 3, 4), 1.0, _stats("draft", 2, 6, 6))] * 3
+    return table
+
+
+def _divergence(position: int, plain_gap: float) -> Divergence:
+    # bfloat16 logits near 10: one ulp is 2^-4, the bound ROUNDING_ULPS of them.
+    return Divergence(position, 3, 7, plain_gap, -plain_gap, rounding_bound(10.0, torch.bfloat16),
+                      "bfloat16")
+
+
+def test_a_divergence_within_rounding_is_lossless_in_the_dtype() -> None:
+    divergences: DivergenceTable = {
+        ("code", "p1", NGRAM): [_divergence(2, 0.0625)],
+        ("code", "p1", DRAFT): [_divergence(1, 0.125)],
+    }
+    rows = {r.variant: r for r in summarise(
+        _diverging_table(), [NONE, NGRAM, DRAFT], COSTS, divergences)}
+    assert not rows[DRAFT].same_tokens_as_plain
+    assert rows[DRAFT].within_rounding is True
+    assert rows[DRAFT].first_divergence == 1
+    assert rows[NONE].within_rounding is None
+    text = recommend(list(rows.values()), "code")
+    assert text.startswith("code: use `--method draft`")
+    assert "lossless in bfloat16" in text
+    assert "--dtype float32" in text
+    assert "BUG" not in text
+
+
+def test_a_divergence_beyond_rounding_is_flagged_as_a_bug() -> None:
+    bound = rounding_bound(10.0, torch.bfloat16)
+    divergences: DivergenceTable = {
+        ("code", "p1", NGRAM): [_divergence(2, 0.0625)],
+        ("code", "p1", DRAFT): [_divergence(1, bound * 1.5)],
+    }
+    rows = summarise(_diverging_table(), [NONE, NGRAM, DRAFT], COSTS, divergences)
+    text = recommend(rows, "code")
+    assert text.startswith("**BUG: `draft k=auto` is not lossless**")
+    assert "use `--method ngram`" in text  # the draft is not recommended, the n-gram row is
+    table = markdown(rows, {})
+    assert "| code | draft k=auto |" in table
+    assert "**NO: bug**" in table
