@@ -93,7 +93,8 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engine: Engine) -> 
         "repeats": setup.repeats,
         "decoding": "greedy; medians over repeats; methods interleaved per prompt",
         "divergences": "first token differing from plain decoding; logit gap there as plain "
-        f"decoding computed it, within rounding if at most {ROUNDING_ULPS:g} {target.dtype} "
+        f"decoding computed it, within rounding if at most {ROUNDING_ULPS:g} "
+        f"{str(target.dtype).removeprefix('torch.')} "
         "ulps at the logits' magnitude (engine.divergence)",
         "pass costs": (
             f"target {costs.target_one_ms:.2f} ms for 1 token, {costs.target_verify_ms:.2f} ms "
