@@ -151,3 +151,43 @@ def test_a_verification_off_beyond_rounding_is_flagged(
     assert not divergence.within_rounding
     honest_divergence = first_divergence(bf16_target, prompt, plain, honest, 4)
     assert honest_divergence is None or honest_divergence.within_rounding
+
+
+class RoundingNoise(ModelRunner):
+    """A target runner whose passes of several tokens round differently from one-token steps:
+    every logit moves by up to half ``ROUNDING_ULPS`` ulps at its magnitude, so a gap between
+    two logits by up to the bound. (The tiny models' bfloat16 passes happen to agree bit for
+    bit; real models' do not.)"""
+
+    def __init__(self, model: PreTrainedModel, seed: int) -> None:
+        super().__init__(model)
+        self.noise = torch.Generator().manual_seed(seed)
+
+    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
+        logits = super().forward(token_ids, last_only).clone()
+        if len(token_ids) > 1 and not last_only:
+            magnitude = logits.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+            eps = torch.finfo(torch.bfloat16).eps
+            spacing = eps * torch.exp2(torch.floor(torch.log2(magnitude)))
+            uniform = torch.rand(logits.shape, generator=self.noise) * 2.0 - 1.0
+            logits += uniform * spacing * (ROUNDING_ULPS / 2.0)
+        return logits
+
+
+def test_divergences_from_rounding_noise_are_found_at_near_ties(
+    bf16_target: PreTrainedModel,
+) -> None:
+    found = []
+    for seed in range(12):
+        generator = torch.Generator().manual_seed(seed)
+        unit = torch.randint(3, 300, (int(torch.randint(2, 5, (1,), generator=generator)),),
+                             generator=generator).tolist()
+        prompt = unit * 3
+        plain = _decode(ModelRunner(bf16_target), prompt, speculate=False)
+        noisy = _decode(RoundingNoise(bf16_target, seed), prompt, speculate=True)
+        divergence = first_divergence(bf16_target, prompt, plain, noisy, 4)
+        if divergence is not None:
+            found.append(divergence)
+    assert len(found) >= 3, "too few divergences: the test would exercise little"
+    assert all(0.0 <= d.plain_gap <= d.bound for d in found), found
+    assert all(d.within_rounding for d in found)
