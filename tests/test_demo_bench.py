@@ -172,3 +172,32 @@ def test_a_divergence_beyond_rounding_is_flagged_as_a_bug() -> None:
     table = markdown(rows, {})
     assert "| code | draft k=auto |" in table
     assert "**NO: bug**" in table
+
+
+def test_find_divergences_locates_each_differing_run(tmp_path: Path) -> None:
+    from bench.divergences import find_divergences
+    from bench.workload import BenchPrompt
+    from engine.divergence import plain_step_logits
+    from engine.loading import load_model
+
+    target, _ = build_pair(tmp_path / "models")
+    model = load_model(target, torch.device("cpu"), "bfloat16")
+    prompt = BenchPrompt("code", "p1", (5, 9, 13, 5, 9), 6)
+    # Plain decoding's greedy tokens, then a run that takes the least likely token at 2.
+    plain: list[int] = []
+    for _ in range(6):  # the last row is the logits before the placeholder 0
+        plain.append(int(plain_step_logits(model, prompt.prompt_ids, [*plain, 0])[-1].argmax()))
+    worst = int(plain_step_logits(model, prompt.prompt_ids, plain)[2].argmin())
+    other = (*plain[:2], worst, *plain[3:])
+    runs: RunTable = {
+        ("code", "p1", NONE): [Run(tuple(plain), 1.0, None)],
+        ("code", "p1", NGRAM): [Run(other, 1.0, None)] * 2,
+        ("code", "p1", DRAFT): [Run(tuple(plain), 1.0, None)],
+    }
+    table = find_divergences(model, runs, [prompt], NONE, 5)
+    assert list(table) == [("code", "p1", NGRAM)]
+    (divergence,) = table[("code", "p1", NGRAM)]  # identical runs are judged once
+    assert (divergence.position, divergence.plain_token, divergence.other_token) == (
+        2, plain[2], worst
+    )
+    assert not divergence.within_rounding
