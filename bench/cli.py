@@ -62,7 +62,7 @@ def bench(
         result = run_bench(setup, workload, engine)
     finally:
         engine.close()
-    rows = summarise(result.runs, result.variants, result.costs)
+    rows = summarise(result.runs, result.variants, result.costs, result.divergences)
     paths = write_outputs(out, rows, result.header, result.costs, result.runs)
     typer.echo(paths["markdown"].read_text())
     typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")

@@ -3,6 +3,7 @@ the recommendation, and the JSON, Markdown and PNG outputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from bench.costs import PassCosts
 from bench.variants import Run, Variant
+from engine.divergence import Divergence
 
 ALL_WORKLOADS = "all"
 # Below this measured speedup a method is not worth switching on.
@@ -35,6 +37,29 @@ class Row:
     mean_k: float | None
     theoretical: float | None
     same_tokens_as_plain: bool
+    # The first divergence of every run whose tokens differ from plain decoding's.
+    divergences: tuple[Divergence, ...] = ()
+
+    @property
+    def first_divergence(self) -> int | None:
+        return min((d.position for d in self.divergences), default=None)
+
+    @property
+    def largest_gap(self) -> Divergence | None:
+        """The divergence with the widest plain-decoding logit gap."""
+        return max(self.divergences, key=lambda d: d.plain_gap, default=None)
+
+    @property
+    def within_rounding(self) -> bool | None:
+        """Whether every divergence is a near-tie within the dtype's rounding (None: none)."""
+        if not self.divergences:
+            return None
+        return all(d.within_rounding for d in self.divergences)
+
+    @property
+    def lossless_in_dtype(self) -> bool:
+        """Token-identical to plain decoding, or different only at near-ties within rounding."""
+        return self.same_tokens_as_plain or bool(self.within_rounding)
 
     @property
     def tokens_per_second(self) -> float:
@@ -61,6 +86,10 @@ class Row:
             "theoretical_speedup": _round(self.theoretical),
             "of_theoretical": _round(self.of_theoretical),
             "same_tokens_as_plain": self.same_tokens_as_plain,
+            "first_divergence": self.first_divergence,
+            "largest_logit_gap": _round(self.largest_gap.plain_gap) if self.largest_gap else None,
+            "within_rounding": self.within_rounding,
+            "divergences": [d.as_dict() for d in self.divergences],
         }
 
 
@@ -70,10 +99,13 @@ def _round(value: float | None) -> float | None:
 
 # (workload, prompt name, variant) -> runs over repeats
 RunTable = dict[tuple[str, str, Variant], list[Run]]
+# (workload, prompt name, variant) -> first divergences from plain decoding
+DivergenceTable = dict[tuple[str, str, Variant], list[Divergence]]
 
 
 def summarise(
-    runs: RunTable, variants: list[Variant], costs: PassCosts
+    runs: RunTable, variants: list[Variant], costs: PassCosts,
+    divergences: DivergenceTable | None = None,
 ) -> list[Row]:
     """One row per workload and variant, plus all workloads combined when there are several."""
     baseline = Variant("specgate", "none", None)
@@ -89,7 +121,11 @@ def summarise(
         base_seconds = sum(statistics.median(r.seconds for r in runs[(w, p, baseline)])
                            for w, p in keys)
         for variant in variants:
-            rows.append(_row(workload, variant, keys, runs, base_seconds, baseline, costs))
+            row = _row(workload, variant, keys, runs, base_seconds, baseline, costs)
+            found = tuple(
+                d for w, p in keys for d in (divergences or {}).get((w, p, variant), [])
+            )
+            rows.append(dataclasses.replace(row, divergences=found))
     return rows
 
 
@@ -133,16 +169,18 @@ def _row(
 
 
 def recommend(rows: list[Row], workload: str) -> str:
-    """The Specgate variant with the best measured speedup, or plain decoding."""
-    candidates = [
+    """The Specgate variant with the best measured speedup among those lossless in the dtype,
+    or plain decoding; any divergence beyond rounding is called out first as a bug."""
+    speculative = [
         r for r in rows
         if r.workload == workload and r.variant.backend == "specgate" and r.variant.method != "none"
-        and r.same_tokens_as_plain
     ]
+    bugs = "".join(_bug(r) for r in speculative if r.within_rounding is False)
+    candidates = [r for r in speculative if r.lossless_in_dtype]
     best = max(candidates, key=lambda r: r.speedup, default=None)
     if best is None or best.speedup < WORTHWHILE_SPEEDUP:
         return (
-            f"{workload}: keep plain decoding (`--method none`); no speculative method "
+            f"{bugs}{workload}: keep plain decoding (`--method none`); no speculative method "
             f"reached {WORTHWHILE_SPEEDUP}x here."
         )
     if best.variant.k is None:
@@ -154,8 +192,31 @@ def recommend(rows: list[Row], workload: str) -> str:
         f", acceptance rate {best.acceptance_rate:.2f}" if best.acceptance_rate is not None else ""
     )
     return (
-        f"{workload}: use `--method {best.variant.method}` with {k_text}: expected speedup "
-        f"{best.speedup:.2f}x over plain decoding{acceptance}."
+        f"{bugs}{workload}: use `--method {best.variant.method}` with {k_text}: expected speedup "
+        f"{best.speedup:.2f}x over plain decoding{acceptance}.{_near_ties(best)}"
+    )
+
+
+def _bug(row: Row) -> str:
+    worst = row.largest_gap
+    assert worst is not None
+    return (
+        f"**BUG: `{row.variant.label}` is not lossless** ({row.workload}): its greedy output "
+        f"left plain decoding's at token {worst.position} where the target's logit gap was "
+        f"{worst.plain_gap:.4g}, wider than {worst.dtype} rounding ({worst.bound:.4g}); "
+        "please report it. "
+    )
+
+
+def _near_ties(row: Row) -> str:
+    worst = row.largest_gap
+    if worst is None:
+        return ""
+    return (
+        f" Its tokens differ from plain decoding's in {len(row.divergences)} run(s), each "
+        f"first at a near-tie within {worst.dtype} rounding (largest logit gap "
+        f"{worst.plain_gap:.4g}, bound {worst.bound:.4g}): lossless in {worst.dtype}; "
+        "`--dtype float32` gives bit-exact greedy output."
     )
 
 
@@ -169,20 +230,28 @@ def markdown(rows: list[Row], header: dict[str, object]) -> str:
     lines += [
         "",
         "| workload | method | tokens/s | speedup | acceptance rate | mean acceptance length "
-        "| theoretical speedup | of theoretical | same tokens as plain |",
-        "|---|---|---:|---:|---:|---:|---:|---:|:-:|",
+        "| theoretical speedup | of theoretical | same tokens as plain | first divergence "
+        "| logit gap | within rounding |",
+        "|---|---|---:|---:|---:|---:|---:|---:|:-:|---:|---:|:-:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.workload} | {r.variant.label} | {r.tokens_per_second:.1f} | "
             f"{r.speedup:.2f}x | {_fmt(r.acceptance_rate, '{:.2f}')} | "
             f"{_fmt(r.mean_acceptance_length, '{:.2f}')} | {_fmt(r.theoretical, '{:.2f}x')} | "
-            f"{_fmt(r.of_theoretical, '{:.0%}')} | {'yes' if r.same_tokens_as_plain else 'NO'} |"
+            f"{_fmt(r.of_theoretical, '{:.0%}')} | {'yes' if r.same_tokens_as_plain else 'no'} | "
+            f"{_fmt(r.first_divergence, '{}')} | "
+            f"{_fmt(r.largest_gap.plain_gap if r.largest_gap else None, '{:.4g}')} | "
+            f"{_within(r.within_rounding)} |"
         )
     workloads = list(dict.fromkeys(r.workload for r in rows))
     lines += ["", "## Recommendation", ""]
     lines += [f"- {recommend(rows, w)}" for w in workloads]
     return "\n".join(lines) + "\n"
+
+
+def _within(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "**NO: bug**"
 
 
 def chart(rows: list[Row], path: Path) -> None:

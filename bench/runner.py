@@ -13,10 +13,12 @@ from rich.progress import Progress
 from transformers import PreTrainedModel
 
 from bench.costs import PassCosts, measure_pass_costs, median_costs
-from bench.report import RunTable
+from bench.divergences import find_divergences
+from bench.report import DivergenceTable, RunTable
 from bench.variants import Generator, Variant, hf_variants, specgate_variants
 from bench.workload import BenchPrompt
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.divergence import ROUNDING_ULPS
 from engine.loading import load_model, pick_device
 from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
 from engine.service import Engine
@@ -37,6 +39,7 @@ class BenchRun:
     runs: RunTable
     costs: PassCosts
     header: dict[str, object]
+    divergences: DivergenceTable
 
 
 def _engine_config(setup: BenchSetup) -> EngineConfig:
@@ -74,6 +77,9 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engine: Engine) -> 
                     runs[(prompt.workload, prompt.name, variant)].append(run)
                     progress.advance(task)
     costs = median_costs(cost_samples)
+    divergences = find_divergences(
+        target, runs, prompts, Variant("specgate", "none", None), setup.fixed_k + 1
+    )
     header: dict[str, object] = {
         "target": f"{setup.target} ({engine.target_version[:19]}…, {target.dtype})",
         "draft": (
@@ -86,13 +92,17 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engine: Engine) -> 
         "prompts": f"{len(prompts)} ({', '.join(sorted({p.workload for p in prompts}))})",
         "repeats": setup.repeats,
         "decoding": "greedy; medians over repeats; methods interleaved per prompt",
+        "divergences": "first token differing from plain decoding; logit gap there as plain "
+        f"decoding computed it, within rounding if at most {ROUNDING_ULPS:g} "
+        f"{str(target.dtype).removeprefix('torch.')} "
+        "ulps at the logits' magnitude (engine.divergence)",
         "pass costs": (
             f"target {costs.target_one_ms:.2f} ms for 1 token, {costs.target_verify_ms:.2f} ms "
             f"for {costs.verify_tokens}; draft "
             f"{_fmt_ms(costs.draft_one_ms)} (c = {_fmt_ratio(costs.draft_cost_ratio)})"
         ),
     }
-    return BenchRun(variants, dict(runs), costs, header)
+    return BenchRun(variants, dict(runs), costs, header, divergences)
 
 
 def _as_the_engine_runs_it(

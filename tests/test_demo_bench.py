@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from typer import Typer
@@ -13,8 +14,16 @@ from typer.testing import CliRunner
 
 from bench.cli import bench
 from bench.costs import PassCosts
-from bench.report import RunTable, recommend, summarise, theoretical_speedup
+from bench.report import (
+    DivergenceTable,
+    RunTable,
+    markdown,
+    recommend,
+    summarise,
+    theoretical_speedup,
+)
 from bench.variants import Run, Variant
+from engine.divergence import Divergence, rounding_bound
 from engine.types import GenerationStats, Method
 from tests.tiny_models import build_pair
 
@@ -117,3 +126,78 @@ def test_bench_command_runs_every_method_on_tiny_models(tmp_path: Path) -> None:
     assert report["recommendations"]["mine"].startswith("mine: ")
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "| mine | draft k=3 |" in (out / "bench.md").read_text()
+
+
+def _diverging_table() -> RunTable:
+    table = _table()
+    table[("code", "p1", NGRAM)] = [Run((1, 2, 7, 4), 1.5, _stats("ngram", 2, 8, 4))] * 3
+    table[("code", "p1", DRAFT)] = [Run((1, 8, 3, 4), 1.0, _stats("draft", 2, 6, 6))] * 3
+    return table
+
+
+def _divergence(position: int, plain_gap: float) -> Divergence:
+    # bfloat16 logits near 10: one ulp is 2^-4, the bound ROUNDING_ULPS of them.
+    return Divergence(position, 3, 7, plain_gap, -plain_gap, rounding_bound(10.0, torch.bfloat16),
+                      "bfloat16")
+
+
+def test_a_divergence_within_rounding_is_lossless_in_the_dtype() -> None:
+    divergences: DivergenceTable = {
+        ("code", "p1", NGRAM): [_divergence(2, 0.0625)],
+        ("code", "p1", DRAFT): [_divergence(1, 0.125)],
+    }
+    rows = {r.variant: r for r in summarise(
+        _diverging_table(), [NONE, NGRAM, DRAFT], COSTS, divergences)}
+    assert not rows[DRAFT].same_tokens_as_plain
+    assert rows[DRAFT].within_rounding is True
+    assert rows[DRAFT].first_divergence == 1
+    assert rows[NONE].within_rounding is None
+    text = recommend(list(rows.values()), "code")
+    assert text.startswith("code: use `--method draft`")
+    assert "lossless in bfloat16" in text
+    assert "--dtype float32" in text
+    assert "BUG" not in text
+
+
+def test_a_divergence_beyond_rounding_is_flagged_as_a_bug() -> None:
+    bound = rounding_bound(10.0, torch.bfloat16)
+    divergences: DivergenceTable = {
+        ("code", "p1", NGRAM): [_divergence(2, 0.0625)],
+        ("code", "p1", DRAFT): [_divergence(1, bound * 1.5)],
+    }
+    rows = summarise(_diverging_table(), [NONE, NGRAM, DRAFT], COSTS, divergences)
+    text = recommend(rows, "code")
+    assert text.startswith("**BUG: `draft k=auto` is not lossless**")
+    assert "use `--method ngram`" in text  # the draft is not recommended, the n-gram row is
+    table = markdown(rows, {})
+    assert "| code | draft k=auto |" in table
+    assert "**NO: bug**" in table
+
+
+def test_find_divergences_locates_each_differing_run(tmp_path: Path) -> None:
+    from bench.divergences import find_divergences
+    from bench.workload import BenchPrompt
+    from engine.divergence import plain_step_logits
+    from engine.loading import load_model
+
+    target, _ = build_pair(tmp_path / "models")
+    model = load_model(target, torch.device("cpu"), "bfloat16")
+    prompt = BenchPrompt("code", "p1", (5, 9, 13, 5, 9), 6)
+    # Plain decoding's greedy tokens, then a run that takes the least likely token at 2.
+    plain: list[int] = []
+    for _ in range(6):  # the last row is the logits before the placeholder 0
+        plain.append(int(plain_step_logits(model, prompt.prompt_ids, [*plain, 0])[-1].argmax()))
+    worst = int(plain_step_logits(model, prompt.prompt_ids, plain)[2].argmin())
+    other = (*plain[:2], worst, *plain[3:])
+    runs: RunTable = {
+        ("code", "p1", NONE): [Run(tuple(plain), 1.0, None)],
+        ("code", "p1", NGRAM): [Run(other, 1.0, None)] * 2,
+        ("code", "p1", DRAFT): [Run(tuple(plain), 1.0, None)],
+    }
+    table = find_divergences(model, runs, [prompt], NONE, 5)
+    assert list(table) == [("code", "p1", NGRAM)]
+    (divergence,) = table[("code", "p1", NGRAM)]  # identical runs are judged once
+    assert (divergence.position, divergence.plain_token, divergence.other_token) == (
+        2, plain[2], worst
+    )
+    assert not divergence.within_rounding
