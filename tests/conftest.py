@@ -10,9 +10,15 @@ from pathlib import Path
 import psycopg
 import pytest
 import sqlalchemy as sa
+from hypothesis import settings
 from psycopg import sql
 
 from gateway.db import make_db_engine, upgrade_database
+
+# Property tests assert behaviour, not speed: on a busy shared machine hypothesis's default
+# 200 ms deadline per example fails tests whose behaviour is right.
+settings.register_profile("specgate", deadline=None)
+settings.load_profile("specgate")
 
 PG_SERVER = "postgresql://postgres@127.0.0.1:5432"
 

@@ -2,7 +2,7 @@
 a gateway told to stop (SIGTERM) with streams in flight. Each must end in bounded answers and
 a complete, verifying audit log.
 
-The stall and outage tests run their own PostgreSQL on port 55450 (data directory under the
+The stall and outage tests run their own PostgreSQL on a free port (data directory under the
 test's tmp path). Bounds are stated with their margins for a busy 2-core machine.
 """
 
@@ -37,7 +37,6 @@ from tests.pg_instance import PgInstance
 from tests.tiny_models import build_pair
 
 MODEL = "target"
-PG_PORT = 55450
 AUDIT_TIMEOUT_S = 2.0
 # A 503 must come within the audit bound plus the connect timeout's worth of slack.
 ANSWER_BOUND_S = AUDIT_TIMEOUT_S + 3.0
@@ -52,7 +51,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def own_pg() -> Iterator[PgInstance]:
-    instance = PgInstance(PG_PORT)
+    instance = PgInstance(_free_port())
     instance.init()
     instance.start()
     try:
