@@ -89,7 +89,15 @@ BackendLoader = Callable[[Settings, FallbackListener], GenerationBackend]
 
 def load_local_backend(settings: Settings, on_fallback: FallbackListener) -> GenerationBackend:
     """The built-in engine, loaded from the model directories the settings name."""
-    return LocalBackend.load(engine_config(settings), on_fallback=on_fallback)
+    config = engine_config(settings)
+    if settings.target is None and config.draft is None:
+        log.warning(
+            "demo_draft_missing",
+            method=config.speculative.method,
+            hint="`make draft` (specgate models build-demo) distils the demo's draft; "
+            "restart to serve with it",
+        )
+    return LocalBackend.load(config, on_fallback=on_fallback)
 
 
 def start_services(

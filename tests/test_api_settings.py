@@ -14,9 +14,12 @@ import typer
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import SecretStr
+from structlog.testing import capture_logs
 from typer.testing import CliRunner
 
+from gateway.app import load_local_backend
 from gateway.backends.base import BackendCard
+from gateway.backends.local import LocalBackend
 from gateway.cli_serve import serve
 from gateway.errors import APIError
 from gateway.generation import speculative_choice
@@ -129,6 +132,27 @@ def test_no_target_serves_the_demo_pair(tmp_path: Path) -> None:
         "draft",
     )
     assert config.served_model_name == "specgate-demo"
+
+
+def test_the_demo_without_its_draft_says_how_to_build_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    demo = tmp_path / "cache-home" / "specgate" / "demo"
+    fake_model(demo / "target")
+    loaded: list[Any] = []
+    monkeypatch.setattr(
+        LocalBackend, "load", classmethod(lambda cls, config, on_fallback: loaded.append(config))
+    )
+
+    def warnings() -> list[str]:
+        with capture_logs() as logs:
+            load_local_backend(load_settings(), lambda event: None)
+        return [entry["event"] for entry in logs if entry["log_level"] == "warning"]
+
+    assert warnings() == ["demo_draft_missing"]
+    fake_model(demo / "draft")
+    assert warnings() == []
+    assert [config.draft for config in loaded] == [None, demo / "draft"]
 
 
 def test_engine_configuration_from_flags_and_vllm_json(tmp_path: Path) -> None:
