@@ -120,7 +120,7 @@ def start_services(
         witness=_witness_policy(settings),
     )
     keys = KeyStore(db, audit_log)
-    instance = instance_id(settings.data_dir)
+    instance = instance_id(settings.data_dir, settings.instance_id)
     spool = EventSpool(settings.data_dir, audit_log, db, settings.spool_retry_s)
     spool.drain()
     interrupted = mark_interrupted(audit_log, db, instance)

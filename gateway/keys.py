@@ -11,14 +11,14 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from gateway.audit.log import AuditLog, AuditUnavailableError
 from gateway.audit.schema import api_keys
-from gateway.db import read_connection, write_connection
+from gateway.db import execute_first, once_more_if_ended, read_connection, write_connection
 
 Role = Literal["app", "auditor", "admin"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -115,14 +115,16 @@ class KeyStore:
     def authenticate(self, plaintext: str) -> Principal | None:
         """The principal of an active key, or None. Raises AuditUnavailableError when the
         database cannot be asked."""
-        try:
+        query = sa.select(api_keys.c.key_id, api_keys.c.name, api_keys.c.role).where(
+            api_keys.c.key_hash == hash_key(plaintext), api_keys.c.revoked_at.is_(None)
+        )
+
+        def look_up() -> sa.Row[Any] | None:
             with read_connection(self._db) as connection:
-                row = connection.execute(
-                    sa.select(api_keys.c.key_id, api_keys.c.name, api_keys.c.role).where(
-                        api_keys.c.key_hash == hash_key(plaintext),
-                        api_keys.c.revoked_at.is_(None),
-                    )
-                ).first()
+                return execute_first(connection, query).first()
+
+        try:
+            row = once_more_if_ended(look_up)
         except SQLAlchemyError as exc:
             raise AuditUnavailableError(f"key store unavailable: {exc}") from exc
         return Principal(row.key_id, row.name, row.role) if row else None

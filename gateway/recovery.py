@@ -1,11 +1,11 @@
 """Startup after a crash: mark the requests the previous run of this instance left unanswered.
 
-Every `request` event carries the ``instance_id`` of the gateway that served it (kept in the
-data directory, so it survives restarts); every `startup` event carries it too. On startup the
-gateway reads the log from its own previous `startup` onwards, and for each of its `request`
-events with neither a `completion` nor an `interrupted` event appends an `interrupted` event
-that references it. Nothing is rewritten; other instances' requests (which may still be in
-flight) are left alone.
+Every `request` event carries the ``instance_id`` of the gateway that served it (configured,
+or kept in the data directory, so that it survives restarts); every `startup` event carries it
+too. On startup the gateway reads the log from its own previous `startup` onwards, and for
+each of its `request` events with neither a `completion` nor an `interrupted` event appends an
+`interrupted` event that references it. Nothing is rewritten; other instances' requests (which
+may still be in flight) are left alone.
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ from gateway.audit.schema import audit_events
 INSTANCE_ID_FILE = "instance-id"
 
 
-def instance_id(data_dir: Path) -> str:
-    """This gateway's stable id: created once in the data directory."""
+def instance_id(data_dir: Path, configured: str | None = None) -> str:
+    """This gateway's stable id: the configured one (``SPECGATE_INSTANCE_ID``), which a
+    replica keeps across restarts even without a persistent data directory; else one created
+    once in the data directory."""
+    if configured is not None:
+        return configured
     path = data_dir / INSTANCE_ID_FILE
     if path.is_file():
         text = path.read_text(encoding="utf-8").strip()

@@ -87,6 +87,15 @@ class Settings(BaseSettings):
     cpu_threads: int | None = Field(default=None, ge=1, description="torch CPU threads.")
 
     data_dir: Path = Field(default_factory=_default_data_dir)
+    instance_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="This gateway's stable identity (a StatefulSet pod name, a host name): its "
+        "unanswered requests are marked interrupted when an instance with the same id starts. "
+        "Unset: an id kept in the data directory. Never give two running replicas the same id.",
+    )
     database_url: str = Field(
         default_factory=lambda data: (
             f"sqlite:///{data.get('data_dir', _default_data_dir())}/audit.db"

@@ -3,10 +3,12 @@ network) that every request pays, so their number is checked, not just the resul
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from psycopg import _connection_base
@@ -76,3 +78,37 @@ def test_an_append_is_one_locking_read_and_its_writes(
     ]
     assert commands == [b"BEGIN", b"COMMIT"]
     assert log.verify().ok
+
+
+def _pooled_backend_pids(engine: sa.Engine) -> set[int]:
+    with engine.connect() as connection:
+        return {connection.execute(sa.select(sa.func.pg_backend_pid())).scalar_one()}
+
+
+def test_a_checkout_sends_no_ping_yet_a_connection_the_server_ended_is_replaced(
+    pg: sa.Engine, pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No liveness query per checkout (it was one round trip per database call, three per
+    request); a pooled connection the server has ended (restart, failover,
+    pg_terminate_backend) is still replaced before use, so the first call after the database
+    came back succeeds instead of failing."""
+    store = KeyStore(pg, AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem")))
+    principal, plaintext = store.create("app", "billing", actor="admin")
+    (old_pid,) = _pooled_backend_pids(pg)
+    statements: list[str] = []
+    original = psycopg.Cursor.execute
+
+    def recording(self: Any, query: Any, *args: Any, **kw: Any) -> Any:
+        statements.append(str(query))
+        return original(self, query, *args, **kw)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", recording)
+    assert store.authenticate(plaintext) == principal
+    assert len(statements) == 1, statements  # the lookup itself, no ping before it
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (old_pid,))
+    time.sleep(0.2)  # the server's goodbye reaches the pooled socket
+    assert store.authenticate(plaintext) == principal
+    assert store._audit.append("request", principal.key_id, {"after": "terminate"}).seq > 0
+    monkeypatch.undo()
+    assert old_pid not in _pooled_backend_pids(pg)

@@ -58,7 +58,7 @@ from gateway.audit.schema import audit_events, audit_head, audit_merkle_nodes
 from gateway.audit.signing import CheckpointSigner
 from gateway.audit.state import SignedState, load_state, save_state
 from gateway.audit.verify import VerifyReport, event_problem, verify_export
-from gateway.db import write_connection
+from gateway.db import execute_first, once_more_if_ended, write_connection
 
 log = structlog.get_logger(__name__)
 
@@ -146,7 +146,7 @@ def lock_head(connection: sa.Connection, lock_timeout_s: float) -> sa.Row[Any]:
     if connection.dialect.name == "postgresql":
         timeout = sa.func.set_config("lock_timeout", f"{int(lock_timeout_s * 1000)}ms", True)
         query = query.where(timeout.is_not(None)).with_for_update()
-    row = connection.execute(query).first()
+    row = execute_first(connection, query).first()
     if row is None:
         raise AuditUnavailableError("audit_head row is missing: run `specgate db upgrade`")
     return row
@@ -383,14 +383,14 @@ class AuditLog:
 
     def _write(self, batch: list[_Pending]) -> None:
         """Commit ``batch`` in one transaction; hand each caller its result or the error."""
-        try:
+        events = [(p.kind, p.actor, p.payload) for p in batch]
+
+        def commit() -> tuple[list[AppendedEvent], CompactRange]:
             with write_connection(self._db) as connection, connection.begin():
-                results, frontier = _insert(
-                    connection,
-                    [(p.kind, p.actor, p.payload) for p in batch],
-                    self._mac,
-                    self._lock_timeout_s,
-                )
+                return _insert(connection, events, self._mac, self._lock_timeout_s)
+
+        try:
+            results, frontier = once_more_if_ended(commit)
             self._remember(frontier)
         except BaseException as exc:  # every waiting caller must wake, whatever happened
             for pending in batch:
@@ -403,9 +403,12 @@ class AuditLog:
             pending.wake.set()
 
     def ping(self) -> bool:
-        try:
+        def probe() -> None:
             with self._db.connect() as connection:
-                connection.execute(sa.select(audit_head.c.tree_size))
+                execute_first(connection, sa.select(audit_head.c.tree_size))
+
+        try:
+            once_more_if_ended(probe)
         except SQLAlchemyError:
             return False
         return True
