@@ -37,6 +37,7 @@ from gateway.observability.telemetry import Telemetry
 from gateway.offload import Offload
 from gateway.recording import append_durably, fallback_recorder, startup_payload
 from gateway.recovery import instance_id, mark_interrupted
+from gateway.refusals import RefusalLog
 from gateway.routes import admin, audit, completions, health, models
 from gateway.settings import ConfigError, Settings, engine_config
 from gateway.spool import EventSpool
@@ -140,6 +141,13 @@ def start_services(
         db.dispose()
         raise
     spool.start()
+    refusals = RefusalLog(
+        spool,
+        model=backend.card.model_name,
+        instance_id=instance,
+        window_s=settings.refusal_window_s,
+    )
+    refusals.start()
     return Services(
         settings=settings,
         backend=backend,
@@ -157,6 +165,7 @@ def start_services(
         admission=Admission(settings.max_queue),
         lifecycle=Lifecycle(settings.shutdown_grace_s),
         instance_id=instance,
+        refusals=refusals,
     )
 
 
@@ -164,6 +173,7 @@ async def stop_services(services: Services) -> None:
     """Record the `shutdown` event (spooled if the store is away) and a final signed
     checkpoint (bounded by ``audit_timeout_s``), then stop the backend and the writers."""
     settings = services.settings
+    await run_in_threadpool(services.refusals.close)
     try:
         await append_durably(
             services.offload,

@@ -208,6 +208,12 @@ class Settings(BaseSettings):
     spool_retry_s: float = Field(
         default=1.0, gt=0, description="Pause between attempts to commit spooled events."
     )
+    refusal_window_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Requests refused at admission (429) are recorded as one counted "
+        "`refused` audit event per window of this length.",
+    )
 
     @field_validator("speculative_config")
     @classmethod

@@ -18,10 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 import torch
 
 from engine.sampling import probabilities
 from engine.types import SamplingParams
+from gateway.audit.schema import audit_events
 from gateway.db import upgrade_database
 from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
 from tests.tiny_models import build_pair
@@ -333,3 +335,22 @@ def test_full_queue_answers_429_at_once(gateway: LiveGateway) -> None:
         ).status_code
         == 200
     )
+    # Each 429 is in the audit log, counted in a `refused` summary for the app key.
+    services = gateway.services
+    services.refusals.flush()
+    deadline = time.monotonic() + 30
+    while services.spool.pending and time.monotonic() < deadline:
+        time.sleep(0.1)
+    query = sa.select(audit_events.c.payload).where(audit_events.c.kind == "refused")
+    with services.db.connect() as connection:
+        summaries = list(connection.scalars(query))
+    counted = [r for s in summaries for r in s["refusals"]]
+    assert {(r["key_id"], r["reason"]) for r in counted} == {(_app_key_id(gateway), "queue_full")}
+    assert sum(r["count"] for r in counted) == statuses.count(429) + len(extra)
+    assert "messages" not in json.dumps(summaries)
+
+
+def _app_key_id(gateway: LiveGateway) -> str:
+    principal = gateway.services.keys.authenticate(gateway.keys["app"])
+    assert principal is not None
+    return principal.key_id

@@ -12,7 +12,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.auth import AppPrincipal
 from gateway.dependencies import Services, ServicesDep
-from gateway.errors import shutting_down
+from gateway.errors import APIError, shutting_down
 from gateway.generation import AuditedGeneration, build_job, system_fingerprint
 from gateway.keys import Principal
 from gateway.schemas import (
@@ -76,7 +76,11 @@ async def _start(
     """Admit (or 429 at once), then template and tokenize off the event loop."""
     if services.lifecycle.stopping:
         raise shutting_down("The gateway is shutting down; retry on another instance.")
-    slots = services.admission.admit(body.n)
+    try:
+        slots = services.admission.admit(body.n)
+    except APIError as refusal:
+        services.refusals.count(principal.key_id, refusal.code or "queue_full")
+        raise
     try:
         job = await services.offload.prepare(
             build_job, body, services.backend, services.settings.max_prompt_bytes
