@@ -32,6 +32,7 @@ from gateway.dependencies import Services
 from gateway.errors import install_error_handlers
 from gateway.keys import KeyStore, KeyStoreError
 from gateway.lifecycle import Lifecycle
+from gateway.notes import DEMO_DRAFT_MISSING, demo_draft_missing
 from gateway.observability.audit import ObservedAuditLog
 from gateway.observability.telemetry import Telemetry
 from gateway.offload import Offload
@@ -91,13 +92,8 @@ BackendLoader = Callable[[Settings, FallbackListener], GenerationBackend]
 def load_local_backend(settings: Settings, on_fallback: FallbackListener) -> GenerationBackend:
     """The built-in engine, loaded from the model directories the settings name."""
     config = engine_config(settings)
-    if settings.target is None and config.draft is None:
-        log.warning(
-            "demo_draft_missing",
-            method=config.speculative.method,
-            hint="`make draft` (specgate models build-demo) distils the demo's draft; "
-            "restart to serve with it",
-        )
+    if demo_draft_missing(settings, config.draft):
+        log.warning("demo_draft_missing", hint=DEMO_DRAFT_MISSING)
     return LocalBackend.load(config, on_fallback=on_fallback)
 
 

@@ -243,6 +243,10 @@ class ModelCard(BaseModel):
     draft_version: str | None
     speculative_methods: list[Method]
     max_context: int
+    notes: list[str] = Field(
+        default_factory=list,
+        description="How this model is served, e.g. a demo draft not built yet.",
+    )
 
 
 class ModelList(BaseModel):

@@ -23,6 +23,7 @@ from gateway.backends.local import LocalBackend
 from gateway.cli_serve import serve
 from gateway.errors import APIError
 from gateway.generation import speculative_choice
+from gateway.notes import DEMO_DRAFT_MISSING, serving_notes
 from gateway.schemas import SpeculativeRequest
 from gateway.settings import ConfigError, Settings, engine_config, load_settings
 
@@ -150,9 +151,13 @@ def test_the_demo_without_its_draft_says_how_to_build_it(
         return [entry["event"] for entry in logs if entry["log_level"] == "warning"]
 
     assert warnings() == ["demo_draft_missing"]
+    card = SimpleNamespace(draft_name=None)  # what /readyz and /v1/models show comes from this
+    assert serving_notes(load_settings(), card) == [DEMO_DRAFT_MISSING]  # type: ignore[arg-type]
+    assert "specgate models build-demo" in DEMO_DRAFT_MISSING
     fake_model(demo / "draft")
     assert warnings() == []
     assert [config.draft for config in loaded] == [None, demo / "draft"]
+    assert serving_notes(load_settings(target=demo / "target"), card) == []  # type: ignore[arg-type]
 
 
 def test_engine_configuration_from_flags_and_vllm_json(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from gateway.audit.log import AuditUnavailableError
 from gateway.dependencies import Services
 from gateway.errors import error_body
+from gateway.notes import serving_notes
 
 router = APIRouter(tags=["health"])
 
@@ -46,8 +47,11 @@ async def readyz(request: Request) -> JSONResponse:
         "audit_store": services is not None and await _audit_reachable(services),
         "audit_integrity": services is not None and await _audit_integrity(services),
     }
+    notes = serving_notes(services.settings, services.backend.card) if services else []
     if all(checks.values()):
-        return JSONResponse({"status": "ready", "checks": checks})
+        return JSONResponse({"status": "ready", "checks": checks, "notes": notes})
     failing = ", ".join(name for name, ok in checks.items() if not ok)
     body = error_body(f"Not ready: {failing} unavailable.", "service_unavailable", code="not_ready")
-    return JSONResponse({**body, "status": "not_ready", "checks": checks}, status_code=503)
+    return JSONResponse(
+        {**body, "status": "not_ready", "checks": checks, "notes": notes}, status_code=503
+    )

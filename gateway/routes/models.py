@@ -6,14 +6,15 @@ from fastapi import APIRouter, Request
 
 from gateway.auth import AppPrincipal
 from gateway.backends.base import BackendCard
-from gateway.dependencies import BackendDep
+from gateway.dependencies import ServicesDep
 from gateway.generation import check_model
+from gateway.notes import serving_notes
 from gateway.schemas import ModelCard, ModelList
 
 router = APIRouter(prefix="/v1", tags=["models"])
 
 
-def _card(card: BackendCard, created: int) -> ModelCard:
+def _card(card: BackendCard, created: int, notes: list[str]) -> ModelCard:
     return ModelCard(
         id=card.model_name,
         created=created,
@@ -22,17 +23,23 @@ def _card(card: BackendCard, created: int) -> ModelCard:
         draft_version=card.draft_version,
         speculative_methods=list(card.available_methods),
         max_context=card.max_context,
+        notes=notes,
     )
 
 
 @router.get("/models")
-async def list_models(request: Request, principal: AppPrincipal, backend: BackendDep) -> ModelList:
-    return ModelList(data=[_card(backend.card, request.app.state.started_at)])
+async def list_models(
+    request: Request, principal: AppPrincipal, services: ServicesDep
+) -> ModelList:
+    card = services.backend.card
+    notes = serving_notes(services.settings, card)
+    return ModelList(data=[_card(card, request.app.state.started_at, notes)])
 
 
 @router.get("/models/{model:path}")
 async def retrieve_model(
-    model: str, request: Request, principal: AppPrincipal, backend: BackendDep
+    model: str, request: Request, principal: AppPrincipal, services: ServicesDep
 ) -> ModelCard:
-    check_model(model, backend.card)
-    return _card(backend.card, request.app.state.started_at)
+    card = services.backend.card
+    check_model(model, card)
+    return _card(card, request.app.state.started_at, serving_notes(services.settings, card))
