@@ -79,7 +79,11 @@ async def _start(
     slots = services.admission.admit(body.n)
     try:
         job = await services.offload.prepare(
-            build_job, body, services.backend, services.settings.max_prompt_bytes
+            build_job,
+            body,
+            services.backend,
+            services.settings.max_prompt_bytes,
+            services.settings.store_content,
         )
     except BaseException:
         slots.release()
