@@ -368,6 +368,11 @@ class Engine:
             finally:
                 otel_context.detach(token)
 
+    @property
+    def target_model(self) -> PreTrainedModel:
+        """The target model (for recomputing logits, as ``engine.divergence`` does)."""
+        return self._target.model
+
     def _plan(self, request: GenerationRequest) -> _Plan:
         spec = self.speculative_config
         method: Method = request.speculative.method or spec.method

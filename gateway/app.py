@@ -40,6 +40,7 @@ from gateway.privacy.store import PrivacyStore
 from gateway.recording import append_durably, fallback_recorder, startup_payload
 from gateway.recovery import instance_id, mark_interrupted
 from gateway.routes import admin, audit, completions, health, models
+from gateway.routes import privacy as privacy_routes
 from gateway.settings import ConfigError, Settings, engine_config
 from gateway.spool import EventSpool
 
@@ -256,7 +257,7 @@ def create_app(settings: Settings, load_backend: BackendLoader = load_local_back
     )
     telemetry.instrument(app)
     install_error_handlers(app)
-    for module in (completions, models, audit, admin, health):
+    for module in (completions, models, audit, privacy_routes, admin, health):
         app.include_router(module.router)
     openapi.install(app)
     return app

@@ -20,7 +20,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.audit.canonical import format_timestamp
-from gateway.audit.log import AppendedEvent, AuditLog, AuditUnavailableError
+from gateway.audit.log import ERASURE_KIND, AppendedEvent, AuditLog, AuditUnavailableError
 from gateway.db import write_connection
 from gateway.privacy.commitments import (
     CommitmentKey,
@@ -31,7 +31,6 @@ from gateway.privacy.commitments import (
 from gateway.privacy.kek import KekError, KeyEncryptionKey
 from gateway.privacy.schema import privacy_content, privacy_data_keys, privacy_holds
 
-ERASURE_KIND = "erasure"
 # AI Act Art. 19 and 26(6) ask for at least six months of logs, DSV Art. 4 for one year: the
 # content is kept as long as the longest of them by default.
 RETENTION_DAYS_DEFAULT = 365
