@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from gateway.audit.canonical import format_timestamp
 from gateway.cli_admin import DatabaseUrl, _cli_actor, _resolve_url, audit_app
 
 if TYPE_CHECKING:
@@ -195,3 +197,58 @@ def audit_replay(
         typer.echo("MISMATCH", err=True)
         raise typer.Exit(1)
     typer.echo("MATCH: the replayed completion has the recorded commitment")
+
+
+compliance_app = typer.Typer(no_args_is_help=True)
+
+
+@compliance_app.command("report")
+def compliance_report(
+    since: Annotated[datetime, typer.Option(help="Start of the period (UTC unless stated).")],
+    until: Annotated[datetime, typer.Option(help="End of the period (exclusive).")],
+    out: Annotated[Path | None, typer.Option(help="Write the HTML here (default: stdout).")] = None,
+    database_url: DatabaseUrl = None,
+) -> None:
+    """An HTML report for the records of processing (revDSG Art. 12): requests, acceptance
+    and fallbacks over time, model versions, keys and roles, erasures, retention, legal
+    holds, and the chain and checkpoint verification (run now, with the gateway's keys)."""
+    from gateway.audit.log import AuditLog, AuditUnavailableError
+    from gateway.audit.mac import EventMac, MacKeyError
+    from gateway.audit.signing import CheckpointSigner
+    from gateway.db import make_db_engine
+    from gateway.privacy.report import collect, render_html
+    from gateway.settings import load_settings
+
+    settings = load_settings()
+    db = make_db_engine(_resolve_url(database_url))
+    try:
+        data = collect(db, since, until)
+        if not settings.signing_key_path.is_file():
+            data.verification_note = f"the signing key {settings.signing_key_path} is not here"
+        else:
+            try:
+                signer = CheckpointSigner.load_or_create(
+                    settings.signing_key_path, settings.audit_origin
+                )
+                mac = EventMac.from_file(settings.audit_mac_key_path)
+                audit = AuditLog(db, signer, mac=mac, state_path=settings.audit_state_path)
+                data.verification = audit.verify(data.since, data.until)
+                audit.append(
+                    "compliance_report",
+                    _cli_actor(),
+                    {
+                        "since": format_timestamp(data.since),
+                        "until": format_timestamp(data.until),
+                        "verified": data.verification.ok,
+                    },
+                )
+            except (MacKeyError, AuditUnavailableError) as error:
+                data.verification_note = str(error)
+        page = render_html(data)
+    finally:
+        db.dispose()
+    if out is None:
+        typer.echo(page)
+    else:
+        out.write_text(page, "utf-8")
+        typer.echo(f"wrote {out} ({data.total_requests} requests)", err=True)

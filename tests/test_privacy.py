@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
+import re
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -351,3 +354,66 @@ def test_a_sampled_replay_needs_the_recorded_schedule(gateway: LiveGateway) -> N
         replace(request, speculative=SpeculativeChoice(method="draft", schedule=tuple(lengths)))
     )
     assert asyncio.run(same.result_async()).text == text
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def test_compliance_report_has_this_tests_figures_and_renders_in_chromium(
+    gateway: LiveGateway, cli_env: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    settings = gateway.services.settings
+    monkeypatch.setenv("SPECGATE_SIGNING_KEY_PATH", str(settings.signing_key_path))
+    monkeypatch.setenv("SPECGATE_AUDIT_STATE_PATH", str(tmp_path / "report-state.json"))
+    since = datetime.now(UTC)
+    time.sleep(0.01)
+    drafted = accepted = 0
+    for index in range(3):
+        body = {"messages": [{"role": "user", "content": f"report {index} a b a b"}]}
+        usage = post(gateway, {**body, "temperature": 0, "speculative": {"method": "draft"}})
+        drafted += usage.json()["speculative"]["num_draft_tokens"]
+        accepted += usage.json()["speculative"]["num_accepted_tokens"]
+    runner = CliRunner()
+    erased = runner.invoke(specgate_cli, ["privacy", "erase", "--subject", "report-subject"])
+    assert erased.exit_code == 0, erased.output
+    until = datetime.now(UTC) + timedelta(seconds=1)
+    out = tmp_path / "report.html"
+    result = runner.invoke(
+        specgate_cli,
+        [
+            *("compliance", "report", "--since", since.isoformat()),
+            *("--until", until.isoformat(), "--out", str(out)),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    page = out.read_text("utf-8")
+    assert drafted > 0
+    # Self-contained: no script, nothing fetched from elsewhere.
+    assert "<script" not in page and not re.search(r"(src|href)=[\"']?(https?:)?//", page)
+    # A real browser renders it: the figures of this test's traffic are in the DOM it built.
+    assert Path(CHROMIUM).exists(), "chromium is missing: `apt-get install -y chromium`"
+    browser = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    dom = subprocess.run(
+        [*browser, "--dump-dom", out.as_uri()], check=True, capture_output=True, text=True
+    ).stdout
+    assert 'id="requests">3<' in dom
+    assert f'id="acceptance">{accepted / drafted:.1%}<' in dom
+    assert 'id="erasures">1<' in dom
+    assert 'class="ok">verified<' in dom
+    assert dom.count("<svg") == 3
+    assert "test-app" in dom and "auditor" in dom
+    card = gateway.services.backend.card
+    served = (
+        f"<td>{card.target_version}</td><td>{card.draft_name}</td><td>{card.draft_version}</td>"
+    )
+    assert f"{served}<td>" in dom
+    screenshot = tmp_path / "report.png"
+    subprocess.run(
+        [*browser, "--window-size=1100,2600", f"--screenshot={screenshot}", out.as_uri()],
+        check=True,
+        capture_output=True,
+    )
+    assert screenshot.stat().st_size > 20_000
+    keep = os.environ.get("SPECGATE_REPORT_SCREENSHOT")
+    if keep:
+        shutil.copy(screenshot, keep)
