@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.exc import SQLAlchemyError
 
 from engine.divergence import first_difference
 from engine.types import GenerationRequest, Method, SamplingParams, SpeculativeChoice
-from gateway.audit.log import AuditLog, record_from_row
+from gateway.audit.log import AuditLog, AuditUnavailableError, record_from_row
 from gateway.audit.records import EventRecord
 from gateway.audit.schema import audit_events
 from gateway.backends.base import BackendCard, GenerationBackend
@@ -57,8 +58,11 @@ def find_recorded(audit: AuditLog, db: sa.Engine, event_id: str) -> Recorded:
         .order_by(audit_events.c.seq)
         .limit(1)
     )
-    with db.connect() as connection:
-        row = connection.execute(query).first()
+    try:
+        with db.connect() as connection:
+            row = connection.execute(query).first()
+    except SQLAlchemyError as exc:
+        raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
     if row is None:
         raise ReplayRefusedError(f"request {event_id} has no completion event")
     completion = record_from_row(row)

@@ -106,16 +106,22 @@ class PrivacyStore:
                 ).one()
         except SQLAlchemyError as exc:
             raise AuditUnavailableError(f"privacy store unavailable: {exc}") from exc
-        return DataKey(found.key_ref, self.kek.unwrap(found.wrapped_key, found.key_ref))
+        try:
+            return DataKey(found.key_ref, self.kek.unwrap(found.wrapped_key, found.key_ref))
+        except KekError as exc:  # another deployment's KEK: refuse (503), never guess
+            raise AuditUnavailableError(str(exc)) from exc
 
     def existing_key(self, key_ref: str) -> DataKey | None:
         """The data key ``key_ref`` if it was not destroyed."""
-        with self._db.connect() as connection:
-            wrapped = connection.execute(
-                sa.select(privacy_data_keys.c.wrapped_key).where(
-                    privacy_data_keys.c.key_ref == key_ref
-                )
-            ).scalar()
+        try:
+            with self._db.connect() as connection:
+                wrapped = connection.execute(
+                    sa.select(privacy_data_keys.c.wrapped_key).where(
+                        privacy_data_keys.c.key_ref == key_ref
+                    )
+                ).scalar()
+        except SQLAlchemyError as exc:
+            raise AuditUnavailableError(f"privacy store unavailable: {exc}") from exc
         return None if wrapped is None else DataKey(key_ref, self.kek.unwrap(wrapped, key_ref))
 
     def append_with_content(
@@ -152,10 +158,13 @@ class PrivacyStore:
         """Decrypt stored content named by an event's ``content`` field; checks the ciphertext
         against the chain's commitment. ContentUnreadableError once its key is destroyed."""
         content_id = str(content.get("content_id"))
-        with self._db.connect() as connection:
-            row = connection.execute(
-                sa.select(privacy_content).where(privacy_content.c.content_id == content_id)
-            ).first()
+        try:
+            with self._db.connect() as connection:
+                row = connection.execute(
+                    sa.select(privacy_content).where(privacy_content.c.content_id == content_id)
+                ).first()
+        except SQLAlchemyError as exc:
+            raise AuditUnavailableError(f"privacy store unavailable: {exc}") from exc
         if row is None:
             raise ContentUnreadableError(f"content {content_id} is not in the content table")
         if ciphertext_commitment(row.ciphertext) != content.get("ciphertext_sha256"):
