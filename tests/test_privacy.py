@@ -417,3 +417,26 @@ def test_compliance_report_has_this_tests_figures_and_renders_in_chromium(
     keep = os.environ.get("SPECGATE_REPORT_SCREENSHOT")
     if keep:
         shutil.copy(screenshot, keep)
+
+
+def test_content_storage_per_key_and_per_request(gateway: LiveGateway) -> None:
+    """The server stores content here; a key can opt out, and a request's field wins."""
+    _, plaintext = gateway.services.keys.create("app", "no-content", "tests", store_content=False)
+    headers = {"authorization": f"Bearer {plaintext}"}
+
+    def request_event(body: dict[str, Any]) -> dict[str, Any]:
+        response = httpx.post(
+            gateway.base_url + "/v1/chat/completions",
+            json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+            | body,
+            headers=headers,
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        record = gateway.services.audit.event(response.headers["x-specgate-audit-id"])
+        assert record is not None
+        return record.payload
+
+    assert "content" not in request_event({})
+    assert request_event({})["commitment_key"]["type"] == "deployment"
+    assert "content" in request_event({"store_content": True})

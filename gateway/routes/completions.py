@@ -83,7 +83,9 @@ async def _start(
             body,
             services.backend,
             services.settings.max_prompt_bytes,
-            services.settings.store_content,
+            services.settings.store_content
+            if principal.store_content is None
+            else principal.store_content,
         )
     except BaseException:
         slots.release()

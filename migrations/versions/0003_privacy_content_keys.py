@@ -1,4 +1,5 @@
-"""Privacy tables: per-subject data keys, encrypted content outside the chain, legal holds.
+"""Privacy tables: per-subject data keys, encrypted content outside the chain, legal holds;
+and a per-key content storage choice (``api_keys.store_content``, NULL: the server's setting).
 
 The writer role may insert and read content (never change it), insert, read and delete data
 keys (erasure and retention destroy them), and place and release holds. Events stay
@@ -31,6 +32,7 @@ def _writer_role() -> str:
 
 
 def upgrade() -> None:
+    op.add_column("api_keys", sa.Column("store_content", sa.Boolean, nullable=True))
     op.create_table(
         "privacy_data_keys",
         sa.Column("key_ref", sa.String(32), primary_key=True),
@@ -66,3 +68,5 @@ def upgrade() -> None:
 def downgrade() -> None:
     for table in reversed(_TABLES):
         op.drop_table(table)
+    with op.batch_alter_table("api_keys") as batch:
+        batch.drop_column("store_content")
