@@ -143,7 +143,12 @@ class KeyStore:
         return Principal(row.key_id, row.name, row.role, row.store_content) if row else None
 
     def _record(self, connection: sa.Connection, actor: str, action: str, key: Principal) -> None:
-        payload = {"action": action, "key_id": key.key_id, "name": key.name, "role": key.role}
+        payload: dict[str, str | bool] = {
+            "action": action,
+            "key_id": key.key_id,
+            "name": key.name,
+            "role": key.role,
+        }
         if key.store_content is not None:
             payload["store_content"] = key.store_content
         self._audit.append_in(connection, "key", actor, payload)
