@@ -32,8 +32,11 @@ class Speculation:
     fixed_k: int | None
     length: SpeculationLength
     min_confidence: float = 0.0
+    schedule: tuple[int, ...] | None = None  # a recorded k per step (replay), 0 past its end
 
-    def next_k(self) -> int:
+    def next_k(self, step: int) -> int:
+        if self.schedule is not None:
+            return self.schedule[step] if step < len(self.schedule) else 0
         return self.fixed_k if self.fixed_k is not None else self.length.choose()
 
 
@@ -63,7 +66,8 @@ def decode(
     remaining = params.max_tokens
     while remaining > 0:
         proposal = Proposal([])
-        k = min(speculation.next_k(), remaining - 1) if speculation is not None else 0
+        step = stats.num_target_passes
+        k = min(speculation.next_k(step), remaining - 1) if speculation is not None else 0
         if speculation is not None and k > 0:
             started = time.perf_counter()
             proposal = speculation.proposer.propose(
@@ -87,6 +91,7 @@ def decode(
         target.truncate(committed + verdict.num_accepted)
         context.extend(new_tokens)
         stats.num_target_passes += 1
+        stats.proposal_lengths.append(len(proposal.tokens))
         if proposal.tokens:
             stats.num_drafts += 1
             stats.num_draft_tokens += len(proposal.tokens)

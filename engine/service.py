@@ -368,6 +368,11 @@ class Engine:
             finally:
                 otel_context.detach(token)
 
+    @property
+    def target_model(self) -> PreTrainedModel:
+        """The target model (for recomputing logits, as ``engine.divergence`` does)."""
+        return self._target.model
+
     def _plan(self, request: GenerationRequest) -> _Plan:
         spec = self.speculative_config
         method: Method = request.speculative.method or spec.method
@@ -376,7 +381,15 @@ class Engine:
         if method not in self._proposers:  # the default method, on a model that cannot verify
             return _Plan(None, method, True)
         params = request.sampling
-        pinned = not params.greedy and params.seed is not None
+        schedule = request.speculative.schedule
+        if schedule is not None:  # a replay: exactly the recorded proposal lengths
+            length = SpeculationLength(
+                spec.max_speculative_tokens, 0.0, self._costs, method, self._run_lengths[method]
+            )
+            return _Plan(
+                Speculation(self._proposers[method], None, length, 0.0, schedule), method, False
+            )
+        pinned = not params.greedy and params.seed is not None and not params.seed_drawn
         fixed_k = request.speculative.num_speculative_tokens or spec.num_speculative_tokens
         if pinned:
             fixed_k = fixed_k or SEEDED_DEFAULT_K

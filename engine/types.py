@@ -23,7 +23,9 @@ class SamplingParams:
 
     ``top_k == 0`` and ``top_p == 1.0`` switch those filters off. ``stop`` holds stop
     strings: generation ends at the first token whose text completes one, and the stop
-    string itself is not returned (OpenAI's behaviour).
+    string itself is not returned (OpenAI's behaviour). ``seed_drawn``: the caller drew
+    ``seed`` itself (to record it) for a client that asked for none, so the request is not
+    pinned to a fixed k as a client-seeded one is; its adaptive schedule is in the stats.
     """
 
     max_tokens: int = 16
@@ -34,6 +36,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    seed_drawn: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -45,11 +48,14 @@ class SpeculativeChoice:
     """A request's choice of decoding method; ``None`` fields take the engine's defaults.
 
     ``num_speculative_tokens`` set fixes K for this request; left ``None`` the engine
-    chooses K adaptively.
+    chooses K adaptively. ``schedule`` (replay of an audited request) gives the number of
+    tokens to propose at each step, as ``GenerationStats.proposal_lengths`` recorded them:
+    no adaptive choice, no fallback, no confidence cut-off.
     """
 
     method: Method | None = None
     num_speculative_tokens: int | None = None
+    schedule: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,8 @@ class GenerationStats:
     fallback_active: bool = False
     time_to_first_token_s: float = 0.0
     total_time_s: float = 0.0
+    # Tokens proposed at each target pass (0: none), what a replay needs to draw the same.
+    proposal_lengths: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:

@@ -36,10 +36,13 @@ from gateway.notes import DEMO_DRAFT_MISSING, demo_draft_missing
 from gateway.observability.audit import ObservedAuditLog
 from gateway.observability.telemetry import Telemetry
 from gateway.offload import Offload
+from gateway.privacy.kek import KeyEncryptionKey
+from gateway.privacy.store import PrivacyStore
 from gateway.recording import append_durably, fallback_recorder, startup_payload
 from gateway.recovery import instance_id, mark_interrupted
 from gateway.refusals import RefusalLog
 from gateway.routes import admin, audit, completions, health, models
+from gateway.routes import privacy as privacy_routes
 from gateway.settings import ConfigError, Settings, engine_config
 from gateway.spool import EventSpool
 
@@ -117,6 +120,9 @@ def start_services(
         witness=_witness_policy(settings),
     )
     keys = KeyStore(db, audit_log)
+    privacy = PrivacyStore(
+        db, KeyEncryptionKey.load_or_create(settings.privacy_kek_path), audit_log
+    )
     instance = instance_id(settings.data_dir, settings.instance_id)
     spool = EventSpool(settings.data_dir, audit_log, db, settings.spool_retry_s)
     spool.drain()
@@ -162,6 +168,7 @@ def start_services(
         lifecycle=Lifecycle(settings.shutdown_grace_s),
         instance_id=instance,
         refusals=refusals,
+        privacy=privacy,
     )
 
 
@@ -197,6 +204,20 @@ async def _sign_checkpoints(services: Services, interval_s: float) -> None:
             log.warning("checkpoint_not_signed", error=str(error))
 
 
+async def _expire_content(services: Services, interval_s: float) -> None:
+    """Retention: destroy the content keys older than ``retention_days``, now and then."""
+    while True:
+        try:
+            destroyed = await services.offload.db(
+                services.privacy.expire, services.settings.retention_days, SYSTEM_ACTOR
+            )
+            if destroyed:
+                log.info("content_keys_expired", count=len(destroyed))
+        except AuditUnavailableError as error:
+            log.warning("retention_not_applied", error=str(error))
+        await asyncio.sleep(interval_s)
+
+
 def create_app(settings: Settings, load_backend: BackendLoader = load_local_backend) -> FastAPI:
     # The egress guard runs first: a refused telemetry endpoint stops startup here.
     telemetry = Telemetry.start(settings)
@@ -209,6 +230,7 @@ def create_app(settings: Settings, load_backend: BackendLoader = load_local_back
         checkpoints = asyncio.create_task(
             _sign_checkpoints(services, settings.checkpoint_interval_s)
         )
+        retention = asyncio.create_task(_expire_content(services, settings.retention_interval_s))
         log.info(
             "gateway_started",
             model=services.backend.card.model_name,
@@ -224,6 +246,7 @@ def create_app(settings: Settings, load_backend: BackendLoader = load_local_back
             yield
         finally:
             checkpoints.cancel()
+            retention.cancel()
             app.state.services = None
             await stop_services(services)
             telemetry.shutdown()
@@ -240,7 +263,7 @@ def create_app(settings: Settings, load_backend: BackendLoader = load_local_back
     )
     telemetry.instrument(app)
     install_error_handlers(app)
-    for module in (completions, models, audit, admin, health):
+    for module in (completions, models, audit, privacy_routes, admin, health):
         app.include_router(module.router)
     openapi.install(app)
     return app

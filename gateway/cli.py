@@ -8,6 +8,7 @@ import typer
 from bench.cli import bench
 from engine.cli import generate, models_app
 from gateway.cli_admin import audit_app, db_app, keys_app
+from gateway.cli_privacy import compliance_app, privacy_app
 from gateway.cli_serve import serve
 
 app = typer.Typer(
@@ -20,3 +21,5 @@ app.add_typer(models_app, name="models", help="Build and inspect model checkpoin
 app.add_typer(db_app, name="db", help="Database migrations.")
 app.add_typer(keys_app, name="keys", help="API keys and roles.")
 app.add_typer(audit_app, name="audit", help="Audit log verification.")
+app.add_typer(privacy_app, name="privacy", help="Erasure, legal holds, retention, the KEK.")
+app.add_typer(compliance_app, name="compliance", help="Reports for the records of processing.")

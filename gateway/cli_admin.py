@@ -110,6 +110,14 @@ def keys_create(
     name: Annotated[
         str, typer.Option(help="A name for the key's holder, unique among active keys.")
     ],
+    store_content: Annotated[
+        bool | None,
+        typer.Option(
+            "--store-content/--no-store-content",
+            help="Keep this key's request text, encrypted and erasable (default: the server's "
+            "store_content setting).",
+        ),
+    ] = None,
     database_url: DatabaseUrl = None,
 ) -> None:
     """Create a key and print it. It is shown only this once; only its hash is stored."""
@@ -117,7 +125,9 @@ def keys_create(
 
     try:
         with _key_store(database_url) as store:
-            principal, plaintext = store.create(role.value, name, _cli_actor())
+            principal, plaintext = store.create(
+                role.value, name, _cli_actor(), store_content=store_content
+            )
     except KeyStoreError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -21,6 +21,7 @@ from gateway.keys import KeyStore
 from gateway.lifecycle import Lifecycle
 from gateway.observability.telemetry import Telemetry
 from gateway.offload import Offload
+from gateway.privacy.store import PrivacyStore
 from gateway.refusals import RefusalLog
 from gateway.settings import Settings
 from gateway.spool import EventSpool
@@ -41,6 +42,7 @@ class Services:
     lifecycle: Lifecycle
     instance_id: str
     refusals: RefusalLog
+    privacy: PrivacyStore
 
 
 def get_services(request: Request) -> Services:

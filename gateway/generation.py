@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -42,13 +43,14 @@ from gateway.errors import (
 from gateway.keys import Principal
 from gateway.lifecycle import ShutdownError
 from gateway.observability.telemetry import CompletionTelemetry
+from gateway.privacy.commitments import CommitmentKey, DataKey, text_bytes, token_id_bytes
+from gateway.privacy.store import key_owner_subject, user_subject
 from gateway.recording import (
     append_durably,
     combined_stats,
     completion_payload,
     request_payload,
-    sha256_text,
-    sha256_token_ids,
+    schedule_record,
 )
 from gateway.schemas import (
     ChatCompletionRequest,
@@ -65,10 +67,18 @@ ROUTES: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/co
 GENAI_OPERATIONS: dict[Kind, str] = {"chat": "chat", "completion": "text_completion"}
 
 
+# Seeds drawn for requests that give none: well inside the 63 bits the engine accepts, so that
+# ``seed + index`` for every choice still fits.
+DRAWN_SEED_BITS = 62
+
+
 @dataclass(frozen=True)
 class Prompt:
+    """``committed``: the bytes the `request` event's keyed commitment covers (the rendered
+    chat template, the prompt string, or the token ids as decimal text)."""
+
     token_ids: tuple[int, ...]
-    sha256: str
+    committed: bytes
     content: Any
     param: str
 
@@ -85,6 +95,7 @@ class Job:
     stream: bool
     include_usage: bool
     user: str | None
+    store_content: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -186,7 +197,7 @@ def chat_prompt(
     text, token_ids = backend.render_chat(messages)
     return Prompt(
         token_ids,
-        sha256_text(text),
+        text_bytes(text),
         [m.model_dump(exclude_none=True) for m in body.messages],
         "messages",
     )
@@ -209,14 +220,14 @@ def completion_prompt(
             raise APIError(400, "The prompt must not be empty.", param="prompt")
         _check_prompt_bytes(len(prompt.encode("utf-8")), max_prompt_bytes, "prompt")
         token_ids = backend.tokenize(prompt)
-        return Prompt(token_ids, sha256_text(prompt), prompt, "prompt")
+        return Prompt(token_ids, text_bytes(prompt), prompt, "prompt")
     token_ids = tuple(int(token) for token in prompt)  # type: ignore[arg-type]
     if not token_ids:
         raise APIError(400, "The prompt must not be empty.", param="prompt")
     vocab = backend.card.vocab_size
     if any(token < 0 or token >= vocab for token in token_ids):
         raise APIError(400, f"Token ids in the prompt must lie in [0, {vocab}).", param="prompt")
-    return Prompt(token_ids, sha256_token_ids(token_ids), list(token_ids), "prompt")
+    return Prompt(token_ids, token_id_bytes(token_ids), list(token_ids), "prompt")
 
 
 def _max_tokens(
@@ -251,9 +262,11 @@ def build_job(
     body: ChatCompletionRequest | CompletionRequest,
     backend: GenerationBackend,
     max_prompt_bytes: int,
+    store_content: bool = False,
 ) -> Job:
     """Check the request against the served model; raises APIError naming the parameter.
-    Templating and tokenizing are CPU work: call it off the event loop."""
+    Templating and tokenizing are CPU work: call it off the event loop. A request without a
+    seed gets one drawn here, so that its `request` event records it (replay)."""
     card = backend.card
     check_model(body.model, card)
     check_text(body)
@@ -268,14 +281,16 @@ def build_job(
         else completion_prompt(body, backend, max_prompt_bytes)
     )
     max_tokens = _max_tokens(body, prompt, card)
+    seed = body.seed if body.seed is not None else secrets.randbits(DRAWN_SEED_BITS)
     sampling = [
         SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
-            seed=None if body.seed is None else body.seed + index,
+            seed=seed + index,
             stop=body.stop_sequences(),
+            seed_drawn=body.seed is None,
         )
         for index in range(body.n)
     ]
@@ -288,6 +303,7 @@ def build_job(
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         user=body.user,
+        store_content=store_content if body.store_content is None else body.store_content,
     )
 
 
@@ -315,6 +331,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 class _ChoiceState:
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: GenerationStats | None = None
 
@@ -333,6 +350,9 @@ class AuditedGeneration:
     telemetry: CompletionTelemetry | None = None
     handles: list[Generation] = field(default_factory=list)
     closed: bool = False
+    # The key the commitments are made under; a data key where content is stored.
+    commitments: CommitmentKey | None = None
+    data_key: DataKey | None = None
 
     @property
     def audit_id(self) -> str:
@@ -365,32 +385,64 @@ class AuditedGeneration:
                     self.telemetry.end()
                 raise
 
+    async def _commitment_key(self, subject_ref: str) -> CommitmentKey:
+        """The subject's data key where content is stored (fetched or created), else the
+        deployment commitment key; AuditUnavailableError when the store does not answer."""
+        privacy = self.services.privacy
+        if not self.job.store_content:
+            self.commitments = privacy.deployment_commitments
+        else:
+            self.data_key = await self.services.offload.db(privacy.data_key, subject_ref)
+            self.commitments = self.data_key.commitments
+        return self.commitments
+
     async def _submit(self) -> list[Generation]:
         job = self.job
-        payload = request_payload(
-            card=self.backend.card,
-            principal=self.principal,
-            route=job.route,
-            request_id=job.request_id,
-            prompt_sha256=job.prompt.sha256,
-            prompt_tokens=len(job.prompt.token_ids),
-            sampling=job.sampling[0],
-            n=len(job.sampling),
-            speculative=job.speculative,
-            stream=job.stream,
-            user=job.user,
-            content=job.prompt.content if self.services.settings.store_content else None,
-        )
-        payload["instance_id"] = self.services.instance_id
         services = self.services
-        attempt = services.offload.submit_db(
-            services.audit.append, "request", self.principal.key_id, payload
-        )
+        subject = user_subject(job.user) if job.user else key_owner_subject(self.principal.key_id)
+        subject_ref = services.privacy.subject_ref(subject)
+        attempt: Future[AppendedEvent] | None = None
         try:
+            commitments = await self._commitment_key(subject_ref)
+            payload = request_payload(
+                card=self.backend.card,
+                principal=self.principal,
+                route=job.route,
+                request_id=job.request_id,
+                prompt_commitment=commitments.commit(job.prompt.committed),
+                commitment_key=commitments.description,
+                prompt_tokens=len(job.prompt.token_ids),
+                sampling=job.sampling[0],
+                n=len(job.sampling),
+                speculative=job.speculative,
+                stream=job.stream,
+                subject_ref=subject_ref,
+            )
+            payload["instance_id"] = services.instance_id
+            if self.data_key is None:
+                attempt = services.offload.submit_db(
+                    services.audit.append, "request", self.principal.key_id, payload
+                )
+            else:
+                content = {
+                    "kind": job.kind,
+                    "prompt": job.prompt.content,
+                    "prompt_token_ids": list(job.prompt.token_ids),
+                }
+                attempt = services.offload.submit_db(
+                    services.privacy.append_with_content,
+                    "request",
+                    self.principal.key_id,
+                    payload,
+                    self.data_key,
+                    "prompt",
+                    content,
+                )
             self.request_event = await services.offload.wait_db(attempt, "request append")
         except AuditUnavailableError as error:
             log.error("request_not_audited", error=str(error))
-            attempt.add_done_callback(self._answer_late_request)
+            if attempt is not None:
+                attempt.add_done_callback(self._answer_late_request)
             raise audit_unavailable() from error
         self.choices = [_ChoiceState() for _ in job.sampling]
         handles = self.handles
@@ -442,6 +494,7 @@ class AuditedGeneration:
             raise
         for state, result in zip(self.choices, results, strict=True):
             state.text, state.num_tokens = result.text, len(result.token_ids)
+            state.token_ids = list(result.token_ids)
             state.finish_reason, state.stats = result.finish_reason, result.stats
         try:
             await self.close("ok", None)
@@ -464,6 +517,7 @@ class AuditedGeneration:
                 async for delta in handle.deltas():
                     state.text += delta.text
                     state.num_tokens += len(delta.token_ids)
+                    state.token_ids.extend(delta.token_ids)
                     if delta.finish_reason is not None:
                         state.finish_reason, state.stats = delta.finish_reason, delta.stats
                     if delta.text or delta.finish_reason is not None:
@@ -508,17 +562,31 @@ class AuditedGeneration:
         return speculative_usage(stats)
 
     def _completion_payload(self, outcome: str, error: str | None) -> dict[str, Any]:
+        commitments = self.commitments
+        assert commitments is not None
         return completion_payload(
             request_event_id=self.audit_id if self.request_event else "",
             outcome=outcome,
             error=error,
-            texts=[state.text for state in self.choices],
+            commitments=[commitments.commit(text_bytes(state.text)) for state in self.choices],
+            commitment_key=commitments.description,
+            schedules=[schedule_record(state.stats) for state in self.choices],
             finish_reasons=[state.finish_reason for state in self.choices],
             prompt_tokens=len(self.job.prompt.token_ids),
             completion_tokens=sum(state.num_tokens for state in self.choices),
             stats=self.stats(),
             latency_s=time.perf_counter() - self.started,
-            store_content=self.services.settings.store_content,
+        )
+
+    def _append_completion(
+        self, kind: str, actor: str | None, payload: dict[str, Any]
+    ) -> AppendedEvent:
+        """The `completion` event with the choices' text stored encrypted beside it."""
+        assert self.data_key is not None
+        content = {"choices": [{"text": s.text, "token_ids": s.token_ids} for s in self.choices]}
+        privacy = self.services.privacy
+        return privacy.append_with_content(
+            kind, actor, payload, self.data_key, "completion", content
         )
 
     def finish(self) -> None:
@@ -558,6 +626,7 @@ class AuditedGeneration:
                     "completion",
                     self.principal.key_id,
                     payload,
+                    None if self.data_key is None else self._append_completion,
                 )
         finally:
             telemetry.end()

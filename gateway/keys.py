@@ -31,9 +31,13 @@ class KeyStoreError(ValueError):
 
 @dataclass(frozen=True)
 class Principal:
+    """``store_content``: this key's requests keep their text (encrypted, erasable) or not;
+    None follows the server's ``store_content`` setting. A request's own field wins."""
+
     key_id: str
     name: str
     role: Role
+    store_content: bool | None = None
 
 
 def hash_key(plaintext: str) -> str:
@@ -50,7 +54,12 @@ class KeyStore:
         self._audit = audit
 
     def create(
-        self, role: Role, name: str, actor: str, plaintext: str | None = None
+        self,
+        role: Role,
+        name: str,
+        actor: str,
+        plaintext: str | None = None,
+        store_content: bool | None = None,
     ) -> tuple[Principal, str]:
         """Store a new key (a fresh random one unless ``plaintext`` is given, as for the
         bootstrap admin key) and return it with its plaintext, which is not kept."""
@@ -59,7 +68,7 @@ class KeyStore:
         if not name or len(name) > 100 or not name.isprintable():
             raise KeyStoreError("a key name is 1 to 100 printable characters")
         plaintext = plaintext or new_key()
-        principal = Principal(key_id="key_" + secrets.token_hex(8), name=name, role=role)
+        principal = Principal("key_" + secrets.token_hex(8), name, role, store_content)
         try:
             with write_connection(self._db) as connection, connection.begin():
                 connection.execute(
@@ -69,6 +78,7 @@ class KeyStore:
                         role=role,
                         key_hash=hash_key(plaintext),
                         created_at=datetime.now(UTC),
+                        store_content=store_content,
                     )
                 )
                 self._record(connection, actor, "created", principal)
@@ -115,7 +125,9 @@ class KeyStore:
     def authenticate(self, plaintext: str) -> Principal | None:
         """The principal of an active key, or None. Raises AuditUnavailableError when the
         database cannot be asked."""
-        query = sa.select(api_keys.c.key_id, api_keys.c.name, api_keys.c.role).where(
+        query = sa.select(
+            api_keys.c.key_id, api_keys.c.name, api_keys.c.role, api_keys.c.store_content
+        ).where(
             api_keys.c.key_hash == hash_key(plaintext), api_keys.c.revoked_at.is_(None)
         )
 
@@ -127,8 +139,15 @@ class KeyStore:
             row = once_more_if_ended(look_up)
         except SQLAlchemyError as exc:
             raise AuditUnavailableError(f"key store unavailable: {exc}") from exc
-        return Principal(row.key_id, row.name, row.role) if row else None
+        return Principal(row.key_id, row.name, row.role, row.store_content) if row else None
 
     def _record(self, connection: sa.Connection, actor: str, action: str, key: Principal) -> None:
-        payload = {"action": action, "key_id": key.key_id, "name": key.name, "role": key.role}
+        payload: dict[str, str | bool] = {
+            "action": action,
+            "key_id": key.key_id,
+            "name": key.name,
+            "role": key.role,
+        }
+        if key.store_content is not None:
+            payload["store_content"] = key.store_content
         self._audit.append_in(connection, "key", actor, payload)

@@ -33,9 +33,9 @@ _DESCRIPTIONS = {
     400: "Invalid request (OpenAI error shape; `param` names the parameter).",
     401: "Missing or unknown API key.",
     403: "The key's role may not use this endpoint.",
-    404: "Unknown model or key.",
+    404: "Unknown model, key or audit event.",
     408: "The request body did not arrive in time.",
-    409: "A key with this name exists.",
+    409: "A key with this name exists, or a replay is refused (content erased or never stored).",
     413: "The request body is over the size limit.",
     429: "The request queue is full; retry after `Retry-After` seconds.",
     503: "The audit store or the engine is unavailable, or the gateway is shutting down.",
@@ -50,6 +50,7 @@ _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/admin/keys"): (409, *_BODY),
     ("delete", "/v1/admin/keys/{key}"): (404,),
     ("get", "/v1/audit/proof/{event_id}"): (404,),
+    ("post", "/v1/audit/replay/{event_id}"): (404, 409),
     ("post", "/v1/audit/cosignature"): _BODY,
 }
 _STRING = {"schema": {"type": "string"}}

@@ -1,12 +1,13 @@
 """The gateway's audit events: what each one records, and appending them off the event loop.
 
-Prompt and completion text are recorded only as SHA-256 unless ``store_content`` is set
-(privacy by default); the hashes still let an auditor prove which text a record covers.
+Prompt and completion text never enter the chain. Events hold keyed commitments to them
+(``gateway.privacy.commitments``) and, where content is stored, a commitment to its
+ciphertext in the content table (``gateway.privacy.store``). Requests name their data
+subject by keyed reference only.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -24,15 +25,6 @@ from gateway.spool import EventSpool
 log = structlog.get_logger(__name__)
 
 
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def sha256_token_ids(token_ids: Sequence[int]) -> str:
-    """Hash of a prompt given as token ids: the ids as decimal, comma-separated, in UTF-8."""
-    return sha256_text(",".join(str(token) for token in token_ids))
-
-
 async def append_event(
     offload: Offload, audit: AuditLog, kind: str, actor: str | None, payload: dict[str, Any]
 ) -> AppendedEvent:
@@ -48,12 +40,15 @@ async def append_durably(
     kind: str,
     actor: str | None,
     payload: dict[str, Any],
+    append: Callable[[str, str | None, dict[str, Any]], AppendedEvent] | None = None,
 ) -> bool:
     """Commit an event that must not be lost: directly when the store answers in time, else
     into the durable spool (committed later, once). True when committed directly. Raises
-    AuditUnavailableError only when the spool cannot be written either."""
+    AuditUnavailableError only when the spool cannot be written either. ``append`` replaces
+    ``audit.append`` for the direct attempt (one that also stores content); the spool keeps
+    the event alone."""
     attempted_at = datetime.now(UTC)
-    attempt = offload.submit_db(audit.append, kind, actor, payload)
+    attempt = offload.submit_db(append or audit.append, kind, actor, payload)
     try:
         await offload.wait_db(attempt, f"{kind} append")
         return True
@@ -91,28 +86,32 @@ def request_payload(
     principal: Principal,
     route: str,
     request_id: str,
-    prompt_sha256: str,
+    prompt_commitment: str,
+    commitment_key: dict[str, Any],
     prompt_tokens: int,
     sampling: SamplingParams,
     n: int,
     speculative: SpeculativeChoice,
     stream: bool,
-    user: str | None,
-    content: Any | None,
+    subject_ref: str,
 ) -> dict[str, Any]:
-    """The `request` event, committed before generation starts (fail closed)."""
-    payload: dict[str, Any] = {
+    """The `request` event, committed before generation starts (fail closed). ``sampling.seed``
+    is the effective seed: the client's, or the one drawn for it (``seed_drawn``); with the
+    model versions, the speculative configuration and the completion's schedule it is what
+    ``specgate audit replay`` needs."""
+    return {
         "request_id": request_id,
         "route": route,
         "key_id": principal.key_id,
         "key_name": principal.name,
-        "user": user,
+        "subject_ref": subject_ref,
         **models_in_use(card),
         "speculative": {
             "requested_method": speculative.method,
             "requested_num_speculative_tokens": speculative.num_speculative_tokens,
             "default_method": card.default_method,
             "default_num_speculative_tokens": card.default_num_speculative_tokens,
+            "config": card.speculative_config,
         },
         "sampling": {
             "max_tokens": sampling.max_tokens,
@@ -120,16 +119,42 @@ def request_payload(
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
             "seed": sampling.seed,
+            "seed_drawn": sampling.seed_drawn,
             "stop": list(sampling.stop),
             "n": n,
         },
         "stream": stream,
-        "prompt_sha256": prompt_sha256,
+        "prompt_commitment": prompt_commitment,
+        "commitment_key": commitment_key,
         "prompt_tokens": prompt_tokens,
     }
-    if content is not None:
-        payload["prompt"] = content
-    return payload
+
+
+def run_lengths(values: Sequence[int]) -> list[list[int]]:
+    """``[[value, count], ...]``: a per-step schedule, compactly (most steps repeat)."""
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return runs
+
+
+def expand_runs(runs: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    return tuple(value for value, count in runs for _ in range(count))
+
+
+def schedule_record(stats: GenerationStats | None) -> dict[str, Any] | None:
+    """How one choice was decoded: the method used, whether fallback was on, and the
+    number of tokens proposed at each target pass (run-length encoded)."""
+    if stats is None:
+        return None
+    return {
+        "method": stats.method,
+        "fallback_active": stats.fallback_active,
+        "proposal_lengths": run_lengths(stats.proposal_lengths),
+    }
 
 
 def combined_stats(all_stats: Sequence[GenerationStats]) -> GenerationStats | None:
@@ -155,21 +180,25 @@ def completion_payload(
     request_event_id: str,
     outcome: str,
     error: str | None,
-    texts: Sequence[str],
+    commitments: Sequence[str],
+    commitment_key: dict[str, Any],
+    schedules: Sequence[dict[str, Any] | None],
     finish_reasons: Sequence[str | None],
     prompt_tokens: int,
     completion_tokens: int,
     stats: GenerationStats | None,
     latency_s: float,
-    store_content: bool,
 ) -> dict[str, Any]:
-    """The `completion` event, referencing its `request` event."""
+    """The `completion` event, referencing its `request` event: keyed commitments to each
+    choice's text and how each choice was decoded."""
     payload: dict[str, Any] = {
         "request_event_id": request_event_id,
         "outcome": outcome,
         "error": error,
         "finish_reasons": list(finish_reasons),
-        "completion_sha256": [sha256_text(text) for text in texts],
+        "completion_commitments": list(commitments),
+        "commitment_key": commitment_key,
+        "schedules": list(schedules),
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "latency_s": latency_s,
@@ -188,8 +217,6 @@ def completion_payload(
         }
         payload["fallback_active"] = stats.fallback_active
         payload["time_to_first_token_s"] = stats.time_to_first_token_s
-    if store_content:
-        payload["completions"] = list(texts)
     return payload
 
 

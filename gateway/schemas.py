@@ -96,6 +96,11 @@ class _SamplingFields(_Strict):
         default=None,
         description="Specgate extension: true/absent default, false plain, or an object.",
     )
+    store_content: StrictBool | None = Field(
+        default=None,
+        description="Specgate extension: keep this request's text, encrypted outside the audit "
+        "chain (absent: the server's store_content setting).",
+    )
 
     @field_validator("stop")
     @classmethod

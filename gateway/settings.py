@@ -23,6 +23,7 @@ from engine.config import DType, EngineConfig, SpeculativeConfig, speculative_co
 from engine.types import Method
 from gateway.audit.log import APPEND_LOCK_TIMEOUT_S
 from gateway.audit.signing import DEFAULT_ORIGIN
+from gateway.privacy.store import RETENTION_DAYS_DEFAULT
 
 
 class ConfigError(ValueError):
@@ -150,6 +151,20 @@ class Settings(BaseSettings):
             Path(data.get("data_dir", _default_data_dir())) / "audit-checkpoint-state.json"
         ),
         description="Where the last checkpoint this gateway signed is kept, outside the DB.",
+    )
+    privacy_kek_path: Path = Field(
+        default_factory=lambda data: (
+            Path(data.get("data_dir", _default_data_dir())) / "privacy-kek"
+        ),
+        description="Key-encryption key of the content data keys (a Secret; never in the DB).",
+    )
+    retention_days: int = Field(
+        default=RETENTION_DAYS_DEFAULT,
+        ge=1,
+        description="Stored content is shredded this many days after its key was made.",
+    )
+    retention_interval_s: float = Field(
+        default=3600.0, gt=0, description="How often expired content keys are destroyed."
     )
     audit_lock_timeout_s: float = Field(
         default=APPEND_LOCK_TIMEOUT_S, gt=0, description="Longest wait for the append lock."

@@ -6,7 +6,6 @@ put it back.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -115,8 +114,9 @@ def chat(client: openai.OpenAI, **options: Any) -> ChatCompletion:
     return cast(ChatCompletion, client.chat.completions.create(**{**CHAT, **options}))
 
 
-def sha256(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+def committed(gateway: LiveGateway, text: str) -> str:
+    """The keyed commitment to ``text`` under the deployment key (no content stored)."""
+    return gateway.services.privacy.deployment_commitments.commit(text.encode("utf-8"))
 
 
 def assert_error(
@@ -549,18 +549,22 @@ def test_audit_id_names_the_request_and_its_completion(gateway: LiveGateway) -> 
         "top_p": 1.0,
         "top_k": 0,
         "seed": 3,
+        "seed_drawn": False,
         "stop": [],
         "n": 1,
     }
-    assert payload["user"] == "end-user-9"
+    # The data subject is named by keyed reference only; the user id is not in the record.
+    privacy = gateway.services.privacy
+    assert payload["subject_ref"] == privacy.subject_ref("user:end-user-9")
+    assert "end-user-9" not in json.dumps(payload)
     assert payload["prompt_tokens"] == response.json()["usage"]["prompt_tokens"]
     assert "prompt" not in payload
     completion = completion_for(gateway, audit_id)
     assert completion is not None and completion.seq > request.seq
     body = response.json()
     assert completion.payload["outcome"] == "ok"
-    assert completion.payload["completion_sha256"] == [
-        sha256(body["choices"][0]["message"]["content"])
+    assert completion.payload["completion_commitments"] == [
+        committed(gateway, body["choices"][0]["message"]["content"])
     ]
     assert completion.payload["completion_tokens"] == body["usage"]["completion_tokens"]
     assert (
@@ -583,7 +587,7 @@ def test_streamed_request_is_audited_before_done(gateway: LiveGateway) -> None:
     completion = completion_for(gateway, audit_id)
     assert completion is not None
     assert completion.payload["outcome"] == "ok"
-    assert completion.payload["completion_sha256"] == [sha256(text)]
+    assert completion.payload["completion_commitments"] == [committed(gateway, text)]
 
 
 def test_abandoned_stream_is_audited_as_cancelled(gateway: LiveGateway) -> None:

@@ -1,11 +1,22 @@
-"""What the `completion` audit event holds, with and without content storage."""
+"""What the `completion` audit event holds: keyed commitments, never text, and the schedule."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engine.types import GenerationStats
-from gateway.recording import combined_stats, completion_payload
+from gateway.privacy.commitments import CommitmentKey
+from gateway.recording import (
+    combined_stats,
+    completion_payload,
+    expand_runs,
+    run_lengths,
+    schedule_record,
+)
 
 
 def _stats(
@@ -37,25 +48,39 @@ def test_choices_add_up_into_one_figure() -> None:
     assert combined_stats([]) is None
 
 
-def test_completion_text_is_hashed_and_stored_only_when_asked() -> None:
-    common = {
-        "request_event_id": "e-1",
-        "outcome": "ok",
-        "error": None,
-        "texts": ["hello", "world"],
-        "finish_reasons": ["stop", "length"],
-        "prompt_tokens": 9,
-        "completion_tokens": 17,
-        "stats": _stats(2, 8, 6, 17, False),
-        "latency_s": 0.5,
-    }
-    private = completion_payload(**common, store_content=False)  # type: ignore[arg-type]
-    assert private["completion_sha256"] == [
-        hashlib.sha256(b"hello").hexdigest(),
-        hashlib.sha256(b"world").hexdigest(),
+def test_completion_commits_to_text_under_a_key_and_never_holds_it() -> None:
+    key = CommitmentKey(b"k" * 32, {"type": "deployment", "kek_id": "sha256:x"})
+    stats = _stats(2, 8, 6, 17, False)
+    stats.proposal_lengths = [3, 3, 3, 0, 0, 5]
+    payload = completion_payload(
+        request_event_id="e-1",
+        outcome="ok",
+        error=None,
+        commitments=[key.commit(b"hello"), key.commit(b"world")],
+        commitment_key=key.description,
+        schedules=[schedule_record(stats), None],
+        finish_reasons=["stop", "length"],
+        prompt_tokens=9,
+        completion_tokens=17,
+        stats=stats,
+        latency_s=0.5,
+    )
+    assert payload["completion_commitments"] == [
+        hmac.new(b"k" * 32, b"hello", hashlib.sha256).hexdigest(),
+        hmac.new(b"k" * 32, b"world", hashlib.sha256).hexdigest(),
     ]
-    assert "completions" not in private
-    assert "hello" not in str(private)
-    assert private["speculative"]["acceptance_rate"] == 0.75
-    stored = completion_payload(**common, store_content=True)  # type: ignore[arg-type]
-    assert stored["completions"] == ["hello", "world"]
+    # A bare SHA-256 of a guessed text does not confirm it.
+    assert hashlib.sha256(b"hello").hexdigest() not in str(payload)
+    assert "hello" not in str(payload)
+    assert payload["schedules"][0] == {
+        "method": "draft",
+        "fallback_active": False,
+        "proposal_lengths": [[3, 3], [0, 2], [5, 1]],
+    }
+    assert expand_runs(payload["schedules"][0]["proposal_lengths"]) == (3, 3, 3, 0, 0, 5)
+    assert payload["speculative"]["acceptance_rate"] == 0.75
+
+
+@given(st.lists(st.integers(min_value=0, max_value=16), max_size=200))
+def test_schedules_round_trip_through_run_lengths(lengths: list[int]) -> None:
+    assert expand_runs(run_lengths(lengths)) == tuple(lengths)

@@ -19,6 +19,8 @@ from gateway.audit.log import AuditLog, AuditUnavailableError
 from gateway.audit.mac import EventMac
 from gateway.audit.signing import CheckpointSigner
 from gateway.db import make_db_engine
+from gateway.privacy.kek import KeyEncryptionKey
+from gateway.privacy.store import PrivacyStore
 
 OLD_ADVISORY_LOCK_KEY = int.from_bytes(b"sgaudit!", "big")  # what revision 0001 used
 MAC = EventMac(b"r" * 32)
@@ -69,7 +71,31 @@ REFUSED_TO_WRITER = [
     "DROP TABLE audit_events",
     "ALTER TABLE audit_events OWNER TO CURRENT_USER",
     "UPDATE api_keys SET role = 'admin'",
+    "UPDATE privacy_content SET key_ref = 'other'",
+    "DELETE FROM privacy_content",
+    "TRUNCATE privacy_content",
+    "UPDATE privacy_data_keys SET wrapped_key = 'x'",
+    "TRUNCATE privacy_data_keys",
+    "UPDATE privacy_holds SET subject_ref = 'other'",
 ]
+
+
+def test_writer_role_stores_content_erases_and_holds(
+    login_role: str, signer: CheckpointSigner, tmp_path: Path
+) -> None:
+    db = make_db_engine(login_role)
+    log = AuditLog(db, signer, MAC, tmp_path / "state.json")
+    store = PrivacyStore(db, KeyEncryptionKey(b"k" * 32), log)
+    subject = store.subject_ref("user:role-test")
+    key = store.data_key(subject)
+    event = store.append_with_content("request", "key_a", {"i": 1}, key, "prompt", ["hi"])
+    record = log.event(event.event_id)
+    assert record is not None and store.read_content(record.payload["content"]) == ["hi"]
+    assert store.place_hold(subject, "tests") and store.release_hold(subject, "tests")
+    assert store.erase_subject(subject, "tests") == [key.key_ref]
+    assert store.expire(1, "tests") == []
+    assert log.verify().ok
+    db.dispose()
 
 
 def test_writer_role_appends_checkpoints_and_verifies(

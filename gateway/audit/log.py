@@ -47,6 +47,7 @@ from gateway.audit.note import NoteError, cosignature_time, parse_checkpoint, ve
 from gateway.audit.records import (
     EXPORT_FORMATS,
     CheckpointRecord,
+    ErasedRecord,
     EventRecord,
     ExportFormat,
     TreeRecord,
@@ -63,6 +64,9 @@ from gateway.db import execute_first, once_more_if_ended, write_connection
 log = structlog.get_logger(__name__)
 
 MAX_BATCH = 256
+# The event kind that records destroyed data keys (``gateway.privacy.store``); exports mark
+# the events whose content they erased.
+ERASURE_KIND = "erasure"
 APPEND_LOCK_TIMEOUT_S = 5.0
 _KIND = re.compile(r"[a-z][a-z_]{0,31}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -233,6 +237,15 @@ def legacy_declaration_due(connection: sa.Connection, head: sa.Row[Any]) -> bool
         return False
     declared = sa.select(audit_events.c.seq).where(audit_events.c.kind == LEGACY_KIND).limit(1)
     return connection.execute(declared).first() is None
+
+
+def content_key_ref(payload: dict[str, Any]) -> str | None:
+    """The data key an event's commitments (and stored content) are under, if any."""
+    key = payload.get("commitment_key")
+    if isinstance(key, dict) and key.get("type") == "data_key":
+        ref = key.get("key_ref")
+        return ref if isinstance(ref, str) else None
+    return None
 
 
 def record_from_row(row: sa.Row[Any]) -> EventRecord:
@@ -799,6 +812,7 @@ class AuditLog:
         if first_seq is not None and last_seq is not None:
             start, end = first_seq - 1, last_seq
         yield encode_record(self._tree_record(start, end, size, consistency_from), fmt)
+        keyed: dict[str, str] = {}  # event id -> the data key its content is under
         if first_seq is not None and last_seq is not None:
             query = (
                 sa.select(audit_events)
@@ -808,10 +822,36 @@ class AuditLog:
             try:
                 with self._db.connect() as connection:
                     for row in connection.execute(query.execution_options(yield_per=1000)):
-                        yield encode_record(record_from_row(row), fmt)
+                        record = record_from_row(row)
+                        key_ref = content_key_ref(record.payload)
+                        if key_ref is not None:
+                            keyed[record.event_id] = key_ref
+                        yield encode_record(record, fmt)
             except SQLAlchemyError as exc:
                 raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+        if keyed:
+            destroyed = self.destroyed_key_refs(size)
+            erased = tuple(event_id for event_id, ref in keyed.items() if ref in destroyed)
+            if erased:
+                yield encode_record(ErasedRecord(erased), fmt)
         yield encode_record(CheckpointRecord(str(checkpoint["note"])), fmt)
+
+    def destroyed_key_refs(self, upto: int) -> set[str]:
+        """The data keys that ``erasure`` events among the first ``upto`` say are destroyed."""
+        query = sa.select(audit_events.c.payload).where(
+            audit_events.c.kind == ERASURE_KIND, audit_events.c.seq <= upto
+        )
+        try:
+            with self._db.connect() as connection:
+                payloads = [row.payload for row in connection.execute(query)]
+        except SQLAlchemyError as exc:
+            raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+        destroyed: set[str] = set()
+        for payload in payloads:
+            refs = payload.get("key_refs") if isinstance(payload, dict) else None
+            if isinstance(refs, list):
+                destroyed.update(ref for ref in refs if isinstance(ref, str))
+        return destroyed
 
     def _tree_record(
         self, start: int, end: int, size: int, consistency_from: int | None

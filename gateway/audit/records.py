@@ -7,11 +7,15 @@ escape written in upper case) are caught.
 An export holds, in this order: one ``tree`` line with what the Merkle tree needs beyond the
 exported events (the compact range of the leaves before them, the perfect subtrees after them
 up to the checkpoint's size, optionally a consistency proof from a size the auditor names); one
-line per event; one ``checkpoint`` line holding the signed C2SP checkpoint note.
+line per event; where the content of exported events was erased (crypto-shredded), one
+``erased`` line naming them; one ``checkpoint`` line holding the signed C2SP checkpoint note.
+The ``erased`` line is not signed: it is derived from the log's own ``erasure`` events (their
+``key_refs`` against each event's ``commitment_key``), which an export of them confirms.
 
 JSON Lines: one canonical JSON object per line with a ``record`` field (``event``, ``tree``,
-``checkpoint``). CSV: a header row, one row per event with the payload as canonical JSON, and
-``tree`` and ``checkpoint`` rows whose ``payload`` cell holds that record as canonical JSON. An
+``erased``, ``checkpoint``). CSV: a header row, one row per event with the payload as canonical
+JSON, and ``tree``, ``erased`` and ``checkpoint`` rows whose ``payload`` cell holds that record
+as canonical JSON. An
 empty CSV ``actor`` or ``mac`` cell means none.
 """
 
@@ -137,7 +141,14 @@ class CheckpointRecord:
     note: str
 
 
-Record = EventRecord | TreeRecord | CheckpointRecord
+@dataclass(frozen=True)
+class ErasedRecord:
+    """The exported events whose stored content was erased: its data key is destroyed."""
+
+    event_ids: tuple[str, ...]
+
+
+Record = EventRecord | TreeRecord | ErasedRecord | CheckpointRecord
 
 
 def _is_size(value: Any) -> bool:
@@ -154,12 +165,24 @@ def csv_header() -> str:
     return _csv_line(list(CSV_COLUMNS))
 
 
-def _record_json(record: TreeRecord | CheckpointRecord) -> dict[str, Any]:
-    return record.as_json() if isinstance(record, TreeRecord) else {"note": record.note}
+def _record_json(record: TreeRecord | ErasedRecord | CheckpointRecord) -> dict[str, Any]:
+    if isinstance(record, TreeRecord):
+        return record.as_json()
+    if isinstance(record, ErasedRecord):
+        return {"event_ids": list(record.event_ids)}
+    return {"note": record.note}
+
+
+_RECORD_KINDS = {
+    EventRecord: "event",
+    TreeRecord: "tree",
+    ErasedRecord: "erased",
+    CheckpointRecord: "checkpoint",
+}
 
 
 def encode_record(record: Record, fmt: ExportFormat) -> str:
-    kind = {EventRecord: "event", TreeRecord: "tree", CheckpointRecord: "checkpoint"}[type(record)]
+    kind = _RECORD_KINDS[type(record)]
     if isinstance(record, EventRecord):
         if fmt == "jsonl":
             return canonical_json({"record": kind, **asdict(record)}) + "\n"
@@ -238,6 +261,13 @@ def _other_record(record_type: str | None, value: Any) -> Record:
         if set(value) != {"note"} or not isinstance(value["note"], str):
             raise RecordFormatError("checkpoint record holds no note")
         return CheckpointRecord(value["note"])
+    if record_type == "erased":
+        ids = value.get("event_ids")
+        if set(value) != {"event_ids"} or not isinstance(ids, list) or not ids:
+            raise RecordFormatError("erased record holds no event ids")
+        if not all(isinstance(event_id, str) for event_id in ids):
+            raise RecordFormatError("erased record's event ids are not strings")
+        return ErasedRecord(tuple(ids))
     raise RecordFormatError(f"unknown record type {record_type!r}")
 
 

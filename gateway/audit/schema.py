@@ -60,4 +60,6 @@ api_keys = sa.Table(
     sa.Column("key_hash", sa.String(64), nullable=False, unique=True),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
     sa.Column("revoked_at", sa.DateTime(timezone=True), nullable=True),
+    # Whether this key's requests keep their text (migration 0003); NULL: the server setting.
+    sa.Column("store_content", sa.Boolean, nullable=True),
 )

@@ -32,6 +32,7 @@ from gateway.audit.merkle import (
 from gateway.audit.note import Checkpoint, NoteError, parse_checkpoint, verify_checkpoint
 from gateway.audit.records import (
     CheckpointRecord,
+    ErasedRecord,
     EventRecord,
     RecordFormatError,
     TreeRecord,
@@ -249,6 +250,8 @@ def verify_export(
         numbered = enumerate(itertools.chain([first_line], iterator), start=1)
     walk: _Walk | None = None
     closing: Checkpoint | None = None
+    exported_ids: set[str] = set()
+    erased: ErasedRecord | None = None
     try:
         for line_number, line in numbered:
             next_seq = walk.frontier.size + 1 if walk else None
@@ -271,7 +274,19 @@ def verify_export(
                     key, mac, trusted, record, frontier, checked_upto=0, legacy=LegacyPrefix(mac)
                 )
             elif isinstance(record, EventRecord):
+                if erased is not None:
+                    raise _Failed(next_seq, f"line {line_number}: an event after the erased record")
                 walk.event(record)
+                exported_ids.add(record.event_id)
+            elif isinstance(record, ErasedRecord):
+                unknown = set(record.event_ids) - exported_ids
+                if erased is not None or unknown:
+                    raise _Failed(
+                        None,
+                        f"line {line_number}: "
+                        + ("a second erased record" if erased else "erased events not exported"),
+                    )
+                erased = record
             elif isinstance(record, CheckpointRecord):
                 try:
                     closing = verify_checkpoint(record.note, key)
@@ -297,6 +312,8 @@ def verify_export(
     except _Failed as failure:
         return VerifyReport(False, walk.count if walk else 0, failure.seq, failure.reason)
     macs = "MACs checked" if mac else "MACs not checked (no MAC key given)"
+    if erased is not None:
+        macs += f"; content of {len(erased.event_ids)} events erased"
     against = f", consistent with the trusted checkpoint of size {trusted.size}" if trusted else ""
     if walk.count == 0:
         return VerifyReport(

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from engine.chat import render_chat
 from engine.config import EngineConfig
+from engine.divergence import first_divergence
 from engine.service import Engine, RequestHandle
 from engine.types import FallbackEvent, GenerationRequest, Method
 from gateway.backends.base import BackendCard, BackendHealth
@@ -54,6 +55,14 @@ class LocalBackend:
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         return self.engine.submit(request)
+
+    def divergence(
+        self, prompt: Sequence[int], plain: Sequence[int], other: Sequence[int]
+    ) -> dict[str, object] | None:
+        """Where greedy ``other`` first differs from ``plain`` and the target's logit gap
+        there (``engine.divergence``); None when no token differs. CPU work: off the loop."""
+        found = first_divergence(self.engine.target_model, prompt, plain, other)
+        return None if found is None else found.as_dict()
 
     def health(self) -> BackendHealth:
         if self.engine.closed:

@@ -83,7 +83,13 @@ async def _start(
         raise
     try:
         job = await services.offload.prepare(
-            build_job, body, services.backend, services.settings.max_prompt_bytes
+            build_job,
+            body,
+            services.backend,
+            services.settings.max_prompt_bytes,
+            services.settings.store_content
+            if principal.store_content is None
+            else principal.store_content,
         )
     except BaseException:
         slots.release()

@@ -1,0 +1,254 @@
+"""``specgate privacy``: the key-encryption key, erasure by crypto-shredding, legal holds and
+retention, without the server. Each change is recorded in the audit log (MAC'd with the
+gateway's key) in the transaction that makes it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from gateway.audit.canonical import format_timestamp
+from gateway.cli_admin import DatabaseUrl, _cli_actor, _resolve_url, audit_app
+
+if TYPE_CHECKING:
+    from gateway.privacy.store import PrivacyStore
+
+privacy_app = typer.Typer(no_args_is_help=True)
+kek_app = typer.Typer(no_args_is_help=True)
+privacy_app.add_typer(kek_app, name="kek", help="The key-encryption key of the data keys.")
+
+Subject = Annotated[
+    str | None, typer.Option("--subject", help="The data subject: the requests' `user`.")
+]
+KeyOwner = Annotated[
+    str | None,
+    typer.Option("--key-owner", help="The data subject: the owner of this API key id (key_...)."),
+]
+
+
+def _subject(subject: str | None, key_owner: str | None) -> str:
+    from gateway.privacy.store import key_owner_subject, user_subject
+
+    if (subject is None) == (key_owner is None):
+        typer.echo("error: name the subject with exactly one of --subject, --key-owner", err=True)
+        raise typer.Exit(2)
+    return user_subject(subject) if subject is not None else key_owner_subject(str(key_owner))
+
+
+@contextmanager
+def _privacy_store(database_url: str | None) -> Iterator[PrivacyStore]:
+    import sqlalchemy as sa
+
+    from gateway.audit.log import AuditLog, AuditUnavailableError
+    from gateway.audit.mac import EventMac, MacKeyError
+    from gateway.db import make_db_engine
+    from gateway.privacy.kek import KekError, KeyEncryptionKey
+    from gateway.privacy.store import PrivacyStore
+    from gateway.settings import load_settings
+
+    settings = load_settings()
+    db = make_db_engine(_resolve_url(database_url))
+    try:
+        mac = EventMac.from_file(settings.audit_mac_key_path)
+        kek = KeyEncryptionKey.from_file(settings.privacy_kek_path)
+        yield PrivacyStore(db, kek, AuditLog(db, mac=mac))
+    except (MacKeyError, KekError) as error:
+        typer.echo(
+            f"error: {error}; run this where the gateway's keys are readable "
+            "(SPECGATE_AUDIT_MAC_KEY_PATH, SPECGATE_PRIVACY_KEK_PATH)",
+            err=True,
+        )
+        raise typer.Exit(1) from None
+    except (sa.exc.SQLAlchemyError, AuditUnavailableError) as error:
+        detail = str(getattr(error, "orig", None) or error).splitlines()[0]
+        typer.echo(f"error: the database is not reachable or not migrated ({detail})", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        db.dispose()
+
+
+@kek_app.command("create")
+def kek_create(
+    path: Annotated[
+        Path | None,
+        typer.Option(help="Where to write it (default: the gateway's privacy_kek_path)."),
+    ] = None,
+) -> None:
+    """Write a new random KEK (hex, mode 0600). Mount it as a Secret; never overwritten."""
+    from gateway.privacy.kek import KekError, KeyEncryptionKey
+    from gateway.settings import load_settings
+
+    target = path or load_settings().privacy_kek_path
+    try:
+        kek = KeyEncryptionKey.create(target)
+    except KekError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"created KEK {kek.key_id} at {target}")
+
+
+@privacy_app.command("erase")
+def erase(
+    subject: Subject = None, key_owner: KeyOwner = None, database_url: DatabaseUrl = None
+) -> None:
+    """Crypto-shred a data subject: destroy its data keys, so that nobody can decrypt its
+    stored content or confirm a text against its commitments. Refused under a legal hold."""
+    from gateway.privacy.store import LegalHoldError
+
+    with _privacy_store(database_url) as store:
+        ref = store.subject_ref(_subject(subject, key_owner))
+        try:
+            destroyed = store.erase_subject(ref, _cli_actor())
+        except LegalHoldError as error:
+            typer.echo(f"refused: {error} (subject {ref}; recorded)", err=True)
+            raise typer.Exit(1) from None
+    typer.echo(f"erased subject {ref}: {len(destroyed)} data keys destroyed")
+
+
+@privacy_app.command("hold")
+def hold(
+    subject: Subject = None, key_owner: KeyOwner = None, database_url: DatabaseUrl = None
+) -> None:
+    """Place a legal hold: the subject's content is neither erased nor expired until released."""
+    with _privacy_store(database_url) as store:
+        ref = store.subject_ref(_subject(subject, key_owner))
+        placed = store.place_hold(ref, _cli_actor())
+    typer.echo(f"legal hold {'placed on' if placed else 'already on'} subject {ref}")
+
+
+@privacy_app.command("release")
+def release(
+    subject: Subject = None, key_owner: KeyOwner = None, database_url: DatabaseUrl = None
+) -> None:
+    """Release a legal hold."""
+    with _privacy_store(database_url) as store:
+        ref = store.subject_ref(_subject(subject, key_owner))
+        released = store.release_hold(ref, _cli_actor())
+    if not released:
+        typer.echo(f"error: subject {ref} is not under a legal hold", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"legal hold released on subject {ref}")
+
+
+@privacy_app.command("expire")
+def expire(
+    days: Annotated[
+        int | None, typer.Option(min=1, help="Retention period (default: retention_days).")
+    ] = None,
+    database_url: DatabaseUrl = None,
+) -> None:
+    """Destroy the data keys older than the retention period now (the gateway also does this
+    every retention_interval_s), one `erasure` event per key; held subjects are skipped."""
+    from gateway.settings import load_settings
+
+    period = days or load_settings().retention_days
+    with _privacy_store(database_url) as store:
+        destroyed = store.expire(period, _cli_actor())
+    typer.echo(f"retention {period} days: {len(destroyed)} data keys destroyed")
+
+
+@audit_app.command("replay")
+def audit_replay(
+    event_id: Annotated[
+        str, typer.Argument(help="The `request` event's id (x-specgate-audit-id).")
+    ],
+    url: Annotated[str, typer.Option(help="The gateway's base URL.")],
+    key: Annotated[
+        str, typer.Option(envvar="SPECGATE_AUDITOR_KEY", help="An auditor or admin key.")
+    ],
+    method: Annotated[
+        str | None,
+        typer.Option(help="Replay under another method (greedy requests): none, ngram, draft."),
+    ] = None,
+) -> None:
+    """Re-run an audited request on the gateway's loaded models and say whether the
+    completion matches its recorded commitment. Exits 1 on no match (naming a changed model
+    version or configuration, or the first differing token and its logit gap), 2 when the
+    gateway refuses or cannot be asked."""
+    import json
+
+    import httpx
+
+    try:
+        response = httpx.post(
+            f"{url.rstrip('/')}/v1/audit/replay/{event_id}",
+            params={"method": method} if method else None,
+            headers={"authorization": f"Bearer {key}"},
+            timeout=600,
+        )
+    except httpx.HTTPError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
+    if response.status_code != 200:
+        message = response.json().get("error", {}).get("message", response.text)
+        typer.echo(f"error ({response.status_code}): {message}", err=True)
+        raise typer.Exit(2)
+    report = response.json()
+    typer.echo(json.dumps(report, indent=2))
+    if not report["replayed"]:
+        typer.echo("NO MATCH CLAIMED: " + "; ".join(report["differences"]), err=True)
+        raise typer.Exit(1)
+    if not report["match"]:
+        typer.echo("MISMATCH", err=True)
+        raise typer.Exit(1)
+    typer.echo("MATCH: the replayed completion has the recorded commitment")
+
+
+compliance_app = typer.Typer(no_args_is_help=True)
+
+
+@compliance_app.command("report")
+def compliance_report(
+    since: Annotated[datetime, typer.Option(help="Start of the period (UTC unless stated).")],
+    until: Annotated[datetime, typer.Option(help="End of the period (exclusive).")],
+    out: Annotated[Path | None, typer.Option(help="Write the HTML here (default: stdout).")] = None,
+    database_url: DatabaseUrl = None,
+) -> None:
+    """An HTML report for the records of processing (revDSG Art. 12): requests, acceptance
+    and fallbacks over time, model versions, keys and roles, erasures, retention, legal
+    holds, and the chain and checkpoint verification (run now, with the gateway's keys)."""
+    from gateway.audit.log import AuditLog, AuditUnavailableError
+    from gateway.audit.mac import EventMac, MacKeyError
+    from gateway.audit.signing import CheckpointSigner
+    from gateway.db import make_db_engine
+    from gateway.privacy.report import collect, render_html
+    from gateway.settings import load_settings
+
+    settings = load_settings()
+    db = make_db_engine(_resolve_url(database_url))
+    try:
+        data = collect(db, since, until)
+        if not settings.signing_key_path.is_file():
+            data.verification_note = f"the signing key {settings.signing_key_path} is not here"
+        else:
+            try:
+                signer = CheckpointSigner.load_or_create(
+                    settings.signing_key_path, settings.audit_origin
+                )
+                mac = EventMac.from_file(settings.audit_mac_key_path)
+                audit = AuditLog(db, signer, mac=mac, state_path=settings.audit_state_path)
+                data.verification = audit.verify(data.since, data.until)
+                audit.append(
+                    "compliance_report",
+                    _cli_actor(),
+                    {
+                        "since": format_timestamp(data.since),
+                        "until": format_timestamp(data.until),
+                        "verified": data.verification.ok,
+                    },
+                )
+            except (MacKeyError, AuditUnavailableError) as error:
+                data.verification_note = str(error)
+        page = render_html(data)
+    finally:
+        db.dispose()
+    if out is None:
+        typer.echo(page)
+    else:
+        out.write_text(page, "utf-8")
+        typer.echo(f"wrote {out} ({data.total_requests} requests)", err=True)

@@ -1,0 +1,171 @@
+"""Replay of an audited request on the loaded models (``specgate audit replay``).
+
+A `request` event records the effective seed, the requested method and K, the model and
+artefact versions and the speculative configuration; its `completion` event records, per
+choice, the method used, whether fallback was on and the tokens proposed at each target pass.
+Replaying with that schedule draws exactly what the original drew, so the same method and
+configuration give a bit-identical completion: the replay's keyed commitment must equal the
+recorded one. Where a version or the configuration differs, the replay names it and claims
+no match. Asked for another method (greedy only), it compares the tokens with the recorded
+ones and gives the first differing position with the target's logit gap there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import SQLAlchemyError
+
+from engine.divergence import first_difference
+from engine.types import GenerationRequest, Method, SamplingParams, SpeculativeChoice
+from gateway.audit.log import AuditLog, AuditUnavailableError, record_from_row
+from gateway.audit.records import EventRecord
+from gateway.audit.schema import audit_events
+from gateway.backends.base import BackendCard, GenerationBackend
+from gateway.privacy.commitments import ContentUnreadableError, text_bytes
+from gateway.privacy.store import PrivacyStore
+from gateway.recording import expand_runs
+
+
+class ReplayRefusedError(ValueError):
+    """The request cannot be replayed (unknown, not completed, content not stored or
+    erased, another method asked for a sampled request); ``status`` is the HTTP answer."""
+
+    def __init__(self, message: str, status: int = 409) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Recorded:
+    request: EventRecord
+    completion: EventRecord
+
+
+def find_recorded(audit: AuditLog, db: sa.Engine, event_id: str) -> Recorded:
+    request = audit.event(event_id)
+    if request is None or request.kind != "request":
+        raise ReplayRefusedError(f"no request event {event_id}", 404)
+    query = (
+        sa.select(audit_events)
+        .where(
+            audit_events.c.kind == "completion",
+            audit_events.c.payload["request_event_id"].as_string() == event_id,
+        )
+        .order_by(audit_events.c.seq)
+        .limit(1)
+    )
+    try:
+        with db.connect() as connection:
+            row = connection.execute(query).first()
+    except SQLAlchemyError as exc:
+        raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+    if row is None:
+        raise ReplayRefusedError(f"request {event_id} has no completion event")
+    completion = record_from_row(row)
+    if completion.payload.get("outcome") != "ok":
+        raise ReplayRefusedError(
+            f"request {event_id} did not complete ({completion.payload.get('outcome')})"
+        )
+    return Recorded(request, completion)
+
+
+def configuration_differences(payload: dict[str, Any], card: BackendCard) -> list[str]:
+    """What the loaded models and configuration have that the record does not."""
+    differences = []
+    for field, now in (
+        ("model", card.model_name),
+        ("target_version", card.target_version),
+        ("draft_version", card.draft_version),
+    ):
+        if payload.get(field) != now:
+            differences.append(f"{field}: recorded {payload.get(field)!r}, loaded {now!r}")
+    recorded = payload.get("speculative", {}).get("config")
+    if recorded != card.speculative_config:
+        differences.append(
+            f"speculative config: recorded {recorded!r}, loaded {card.speculative_config!r}"
+        )
+    return differences
+
+
+def _sampling(payload: dict[str, Any], index: int) -> SamplingParams:
+    sampling = payload["sampling"]
+    return SamplingParams(
+        max_tokens=sampling["max_tokens"],
+        temperature=sampling["temperature"],
+        top_p=sampling["top_p"],
+        top_k=sampling["top_k"],
+        seed=sampling["seed"] + index,
+        stop=tuple(sampling["stop"]),
+        seed_drawn=sampling.get("seed_drawn", False),
+    )
+
+
+def _recorded_choice(schedule: dict[str, Any]) -> SpeculativeChoice:
+    method: Method = "none" if schedule["fallback_active"] else schedule["method"]
+    return SpeculativeChoice(method=method, schedule=expand_runs(schedule["proposal_lengths"]))
+
+
+async def replay(
+    backend: GenerationBackend,
+    privacy: PrivacyStore,
+    recorded: Recorded,
+    method: Method | None = None,
+) -> dict[str, Any]:
+    """Re-run ``recorded`` on ``backend``; the report (see the module docstring). CPU and
+    database work runs on worker threads."""
+    request, completion = recorded.request.payload, recorded.completion.payload
+    schedules = completion.get("schedules")
+    if "content" not in request or not isinstance(schedules, list):
+        raise ReplayRefusedError("this request's content was not stored: it cannot be replayed")
+    differences = configuration_differences(request, backend.card)
+    report: dict[str, Any] = {
+        "request_event_id": recorded.request.event_id,
+        "completion_event_id": recorded.completion.event_id,
+        "differences": differences,
+        "choices": [],
+    }
+    if differences:
+        return {**report, "replayed": False, "match": False}
+    key_ref = request["commitment_key"].get("key_ref")
+    try:
+        prompt = await asyncio.to_thread(privacy.read_content, request["content"])
+        output = await asyncio.to_thread(privacy.read_content, completion["content"])
+        key = await asyncio.to_thread(privacy.existing_key, key_ref)
+    except (ContentUnreadableError, KeyError) as error:
+        raise ReplayRefusedError(f"cannot replay: {error}") from None
+    if key is None:
+        raise ReplayRefusedError("cannot replay: the content was erased")
+    greedy = request["sampling"]["temperature"] == 0.0
+    if method is not None and not greedy:
+        raise ReplayRefusedError("another method can only be compared for greedy requests", 400)
+    prompt_ids = tuple(prompt["prompt_token_ids"])
+    for index, schedule in enumerate(schedules):
+        choice = _recorded_choice(schedule)
+        if method is not None:
+            choice = SpeculativeChoice(method=method)
+        generation = backend.submit(
+            GenerationRequest(prompt_ids, _sampling(request, index), choice, "replay")
+        )
+        result = await generation.result_async()
+        commitment = key.commitments.commit(text_bytes(result.text))
+        recorded_ids = output["choices"][index]["token_ids"]
+        entry: dict[str, Any] = {
+            "index": index,
+            "method": choice.method,
+            "match": commitment == completion["completion_commitments"][index],
+            "completion_tokens": len(result.token_ids),
+        }
+        if not entry["match"] and method is not None:
+            entry["first_difference"] = first_difference(recorded_ids, result.token_ids)
+            divergence = getattr(backend, "divergence", None)  # backends that see the logits
+            if divergence is not None:
+                entry["divergence"] = await asyncio.to_thread(
+                    divergence, prompt_ids, recorded_ids, result.token_ids
+                )
+        report["choices"].append(entry)
+    match = all(choice["match"] for choice in report["choices"])
+    return {**report, "replayed": True, "match": match, "method": method}
