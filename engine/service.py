@@ -508,7 +508,9 @@ class Engine:
                     break
                 before = len(output.token_ids)
                 piece = output.add(tokens)
-                logprobs = recorder and recorder.take(before, len(output.token_ids))
+                logprobs = None
+                if recorder is not None:
+                    logprobs = recorder.take(before, len(output.token_ids))
                 if not stats.time_to_first_token_s:
                     stats.time_to_first_token_s = time.perf_counter() - handle.submitted_at
                 stats.num_output_tokens = len(output.token_ids)

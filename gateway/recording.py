@@ -122,6 +122,7 @@ def request_payload(
             "seed": sampling.seed,
             "stop": list(sampling.stop),
             "n": n,
+            **processor_fields(sampling, with_text=content is not None),
         },
         "stream": stream,
         "prompt_sha256": prompt_sha256,
@@ -130,6 +131,27 @@ def request_payload(
     if content is not None:
         payload["prompt"] = content
     return payload
+
+
+def processor_fields(sampling: SamplingParams, *, with_text: bool) -> dict[str, Any]:
+    """The logits processors a request asked for. A constraint (JSON schema, regex, choices,
+    grammar) is recorded by its kind and SHA-256, its text only with content storage on: a
+    schema can say as much about the request as its prompt does."""
+    fields: dict[str, Any] = {
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "repetition_penalty": sampling.repetition_penalty,
+        "logit_bias": {str(token): bias for token, bias in sampling.logit_bias},
+        "min_tokens": sampling.min_tokens,
+        "logprobs": sampling.logprobs,
+        "constraint": None,
+    }
+    constraint = sampling.constraint
+    if constraint is not None:
+        fields["constraint"] = {"kind": constraint.kind, "sha256": sha256_text(constraint.spec)}
+        if with_text:
+            fields["constraint"]["spec"] = constraint.spec
+    return fields
 
 
 def combined_stats(all_stats: Sequence[GenerationStats]) -> GenerationStats | None:

@@ -54,8 +54,9 @@ SAMPLED_SETTINGS = {
         max_tokens=3, ignore_eos=True, constraint=Constraint("json_schema", '{"type":"string"}')
     ),
     "penalties": SamplingParams(
-        max_tokens=3, ignore_eos=True, presence_penalty=2.0, frequency_penalty=1.0,
-        repetition_penalty=1.5,
+        # Mild: stronger penalties make the target refuse every repeating n-gram proposal.
+        max_tokens=3, ignore_eos=True, presence_penalty=0.4, frequency_penalty=0.3,
+        repetition_penalty=1.1,
     ),
     "logit_bias": SamplingParams(
         max_tokens=3, ignore_eos=True, logit_bias=tuple((t, 4.0) for t in range(60, 90))
