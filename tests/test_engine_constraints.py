@@ -159,23 +159,29 @@ def test_penalties_follow_their_definitions() -> None:
     torch.testing.assert_close(out, expected)
 
 
+def processed_probs(
+    engine: Engine, prompt: list[int], params: SamplingParams, path: list[int]
+) -> torch.Tensor:
+    """The target's processed distribution after ``prompt`` and the output ``path``."""
+    constraint = params.constraint
+    matcher = None
+    if constraint is not None:
+        matcher = engine.grammars.matcher(engine.grammars.compile(constraint))
+    processing = LogitsProcessing(
+        params, prompt, engine.vocab_size, frozenset(), engine.device, matcher
+    )
+    with torch.inference_mode():
+        logits = engine._target.model(torch.tensor([[*prompt, *path]])).logits[0, -1:].float()
+    return probabilities(processing.apply(logits, [path]), params)[0]
+
+
 def exact_pair_distribution(
     engine: Engine, prompt: list[int], params: SamplingParams
 ) -> dict[tuple[int, int], float]:
     """The processed target distribution of the first two tokens, by brute force."""
-    model = engine._target.model
 
     def probs(path: list[int]) -> torch.Tensor:
-        constraint = params.constraint
-        matcher = None
-        if constraint is not None:
-            matcher = engine.grammars.matcher(engine.grammars.compile(constraint))
-        processing = LogitsProcessing(
-            params, prompt, engine.vocab_size, frozenset(), engine.device, matcher
-        )
-        with torch.inference_mode():
-            logits = model(torch.tensor([[*prompt, *path]])).logits[0, -1:].float()
-        return probabilities(processing.apply(logits, [path]), params)[0]
+        return processed_probs(engine, prompt, params, path)
 
     first = probs([])
     return {
@@ -186,14 +192,31 @@ def exact_pair_distribution(
     }
 
 
+def ngram_prompt(engine: Engine, params: SamplingParams) -> list[int]:
+    """A prompt 'a b X a b' whose lookup proposal X the processed target takes only
+    sometimes."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        a, b, x = torch.randint(3, engine.vocab_size, (3,), generator=generator).tolist()
+        prompt = [a, b, x, a, b]
+        if 0.2 < processed_probs(engine, prompt, params, [])[x] < 0.8:
+            return prompt
+    raise AssertionError("no prompt with a partly accepted n-gram proposal")
+
+
 @pytest.mark.parametrize("method", ["draft", "ngram"])
 @pytest.mark.parametrize("setting", list(SAMPLED_SETTINGS))
 def test_speculative_sampling_is_exact_under_processors(
     engine: Engine, setting: str, method: str
 ) -> None:
     params = SAMPLED_SETTINGS[setting]
-    # Repeated text, so that n-gram lookup has proposals to make.
-    prompt = engine.tokenizer.encode('"def add" "def add" "def add" "def')
+    # Under the schema the output is a JSON string: repeated quoted text gives n-gram lookup
+    # proposals that the grammar allows.
+    prompt = (
+        engine.tokenizer.encode('"def add" "def add" "def add" "def')
+        if params.constraint is not None
+        else ngram_prompt(engine, params)
+    )
     counts: Counter[tuple[int, int]] = Counter()
     proposed = accepted = 0
     for seed in range(SAMPLES):
