@@ -206,3 +206,34 @@ def test_litellm_completion_with_tools(gateway: LiveGateway) -> None:
     choice = reply.choices[0]  # type: ignore[union-attr]
     assert choice.finish_reason == "tool_calls"
     _arguments_valid(choice.message.tool_calls[0].function.arguments)
+
+
+def test_streamed_and_completion_logprobs_cover_every_token(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "def add(a, b):"}],
+        logprobs=True,
+        top_logprobs=2,
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    entries = []
+    completion_tokens = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            completion_tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.content:
+                entries += choice.logprobs.content
+    assert completion_tokens is not None and len(entries) == completion_tokens
+    assert all(len(entry.top_logprobs) == 2 for entry in entries)
+
+    legacy = client.completions.create(
+        model=MODEL, prompt="def add(a, b):", max_tokens=6, logprobs=3, temperature=0
+    )
+    logprobs = legacy.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs
+    assert len(logprobs.tokens) == legacy.usage.completion_tokens  # type: ignore[union-attr]
+    assert logprobs.text_offset == sorted(logprobs.text_offset or [])
+    assert all(len(top) <= 3 for top in logprobs.top_logprobs or [])
