@@ -559,6 +559,13 @@ def test_audit_id_names_the_request_and_its_completion(gateway: LiveGateway) -> 
         "seed": 3,
         "stop": [],
         "n": 1,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "logit_bias": {},
+        "min_tokens": 0,
+        "logprobs": None,
+        "constraint": None,
     }
     assert payload["user"] == "end-user-9"
     assert payload["prompt_tokens"] == response.json()["usage"]["prompt_tokens"]
