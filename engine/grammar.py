@@ -16,6 +16,7 @@ a weak model given free whitespace can spend its whole budget on newlines.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Sequence
@@ -65,9 +66,15 @@ class Grammars:
         self._table: Any = None
         self._lock = threading.Lock()
 
+    def prepare(self) -> None:
+        """Build the token table now (the engine does this on a background thread at load:
+        for the demo's 49,152 ids it takes about two seconds, which the first constrained
+        request would otherwise wait for). A tokenizer llguidance cannot read is reported to
+        the constrained requests themselves (``compile``), so nothing is raised here."""
+        with contextlib.suppress(Exception):
+            self._token_table()
+
     def _token_table(self) -> Any:
-        """Built at the first constrained request (it takes a moment for a large vocabulary,
-        which plain serving need not pay)."""
         with self._lock:
             if self._table is None:
                 self._table = llguidance.hf.from_tokenizer(
@@ -86,7 +93,14 @@ class Grammars:
             raise InvalidRequestError(
                 f"The {what} constraint is invalid: {error}", "response_format"
             ) from error
-        problem = llguidance.LLMatcher.validate_grammar(text, self._token_table())
+        try:
+            table = self._token_table()
+        except Exception as error:  # a tokenizer llguidance cannot read: this model cannot
+            raise InvalidRequestError(  # serve constraints, which is this request's answer
+                f"This model's tokenizer does not support constrained decoding ({error}).",
+                "response_format",
+            ) from error
+        problem = llguidance.LLMatcher.validate_grammar(text, table)
         if problem:
             raise InvalidRequestError(
                 f"The {what} constraint is invalid: {problem.splitlines()[0]}", "response_format"

@@ -237,6 +237,7 @@ class Engine:
         self.available_methods: tuple[Method, ...] = ("none", *self._proposers)
         self._eos = _eos_ids(target, tokenizer)
         self.grammars = Grammars(tokenizer, self.vocab_size, self._eos)
+        threading.Thread(target=self.grammars.prepare, name="specgate-grammar", daemon=True).start()
         self._listener = on_fallback
         self._load_shedding = False
         self._costs = PassCosts()
