@@ -35,6 +35,7 @@ def bench(
     ] = None,
 ) -> None:
     """Benchmark plain, n-gram and draft-model decoding, and Hugging Face's equivalents."""
+    from bench.constrained import measure
     from bench.report import summarise, write_outputs
     from bench.runner import BenchSetup, load_engine, run_bench
     from bench.workload import builtin_prompts, load_prompts
@@ -60,9 +61,14 @@ def bench(
         else:
             workload = load_prompts(prompts, prompts.stem, engine.tokenizer, max_tokens, limit)
         result = run_bench(setup, workload, engine)
+        json_prompts = [p for p in workload if p.workload == "json"] or workload
+        constrained = measure(engine, json_prompts[:limit], repeats, k)
     finally:
         engine.close()
     rows = summarise(result.runs, result.variants, result.costs, result.divergences)
     paths = write_outputs(out, rows, result.header, result.costs, result.runs)
+    lines = [line.text() for line in constrained]
+    with paths["markdown"].open("a") as markdown:
+        markdown.write("\n" + "\n".join(f"- {line}" for line in lines) + "\n")
     typer.echo(paths["markdown"].read_text())
     typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")

@@ -114,6 +114,11 @@ class EngineConfig(BaseModel):
         "re-tokenized into the target's ids and proposed as a deterministic guess (Hugging "
         "Face's universal assisted decoding). Off: such a draft is refused at load.",
     )
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+        default=None,
+        description="How tool calls are read from the output (vLLM's --tool-call-parser); "
+        "None: chosen from the chat template.",
+    )
 
     @model_validator(mode="after")
     def _draft_needed(self) -> EngineConfig:

@@ -8,12 +8,13 @@ token, which is fed together with the proposal in the next pass.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
 
 from engine.adaptive import PassCosts, SpeculationLength
+from engine.logits_processors import LogitsProcessing, chain_paths
 from engine.model_runner import ModelRunner
 from engine.proposers.base import Proposal, Proposer
 from engine.sampling import Verdict, probabilities, verify_greedy, verify_sampled
@@ -55,10 +56,15 @@ def decode(
     stats: GenerationStats,
     speculation: Speculation | None = None,
     costs: PassCosts | None = None,
+    processing: LogitsProcessing | None = None,
+    observe: Callable[[torch.Tensor, list[int]], None] | None = None,
 ) -> Generator[list[int], None, None]:
     """Yield the tokens committed by each target pass until ``params.max_tokens`` are out.
 
-    The caller stops early (EOS, stop strings) simply by not asking for more.
+    The caller stops early (EOS, stop strings) simply by not asking for more. ``processing``
+    (penalties, bias, grammar) shapes the target's rows before verification and the draft's
+    before it draws; ``observe`` gets the processed target logits of each committed
+    position with the tokens committed there (for logprobs).
     """
     context = list(prompt)
     if speculation is not None:
@@ -71,7 +77,7 @@ def decode(
         if speculation is not None and k > 0:
             started = time.perf_counter()
             proposal = speculation.proposer.propose(
-                context, k, params, generator, speculation.min_confidence
+                context, k, params, generator, speculation.min_confidence, processing
             )
             if costs is not None and proposal.tokens:
                 costs.record_proposer(
@@ -83,6 +89,8 @@ def decode(
         fed = [context[-1], *proposal.tokens]
         started = time.perf_counter()
         logits = target.forward(fed)
+        if processing is not None:
+            logits = processing.apply(logits, chain_paths(proposal.tokens))
         verdict = _verify(proposal, logits, params, generator)
         if costs is not None:
             costs.record_target(len(fed), time.perf_counter() - started)
@@ -90,6 +98,10 @@ def decode(
         new_tokens = [*proposal.tokens[: verdict.num_accepted], verdict.next_token]
         target.truncate(committed + verdict.num_accepted)
         context.extend(new_tokens)
+        if processing is not None:
+            processing.commit(new_tokens)
+        if observe is not None:
+            observe(logits[: len(new_tokens)], new_tokens)
         stats.num_target_passes += 1
         stats.proposal_lengths.append(len(proposal.tokens))
         if proposal.tokens:

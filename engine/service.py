@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from opentelemetry import context as otel_context
@@ -25,6 +26,7 @@ from engine.adaptive import FallbackMonitor, PassCosts, RunLengths, SpeculationL
 from engine.compat import continues_exactly
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill
+from engine.grammar import Grammars
 from engine.loading import (
     check_draft_compatible,
     context_window,
@@ -34,12 +36,15 @@ from engine.loading import (
     load_tokenizer,
     pick_device,
 )
+from engine.logits_processors import LogitsProcessing
+from engine.logprobs import LogprobRecorder
 from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
 from engine.proposers import DraftModelProposer, NgramProposer, Proposer
 from engine.proposers.translating import TranslatingDraftProposer
 from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
 from engine.types import (
+    MAX_TOP_LOGPROBS,
     EngineClosedError,
     FallbackEvent,
     GenerationRequest,
@@ -51,7 +56,9 @@ from engine.types import (
     MethodUnavailableError,
     PromptTooLongError,
     QueueFullError,
+    SamplingParams,
     StreamDelta,
+    TokenLogprob,
 )
 from engine.versioning import model_version
 
@@ -72,14 +79,19 @@ class RequestHandle:
     loop, ``async for`` over ``deltas()`` or await ``result_async()``, which wait without
     holding a thread (the worker wakes the loop with ``call_soon_threadsafe``)."""
 
-    def __init__(self, request: GenerationRequest, submitted_at: float) -> None:
+    def __init__(
+        self, request: GenerationRequest, submitted_at: float, grammar: Any = None
+    ) -> None:
         self.request = request
         self.submitted_at = submitted_at
+        # The request's compiled constraint (compiled at submit, so a bad one is a 400).
+        self.grammar = grammar
         self.otel_context = otel_context.get_current()
         self._deltas: queue.Queue[StreamDelta | BaseException] = queue.Queue()
         self._cancelled = threading.Event()
         self._token_ids: list[int] = []
         self._text: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
         self._waker: Callable[[], None] | None = None
         self._wake_on_final_only = False
 
@@ -103,6 +115,8 @@ class RequestHandle:
             raise item
         self._token_ids.extend(item.token_ids)
         self._text.append(item.text)
+        if item.logprobs:
+            self._logprobs.extend(item.logprobs)
         return item
 
     def __iter__(self) -> Iterator[StreamDelta]:
@@ -141,7 +155,11 @@ class RequestHandle:
         if last is None or last.finish_reason is None or last.stats is None:
             raise RuntimeError("request ended without a final delta")
         return GenerationResult(
-            tuple(self._token_ids), "".join(self._text), last.finish_reason, last.stats
+            tuple(self._token_ids),
+            "".join(self._text),
+            last.finish_reason,
+            last.stats,
+            tuple(self._logprobs) if self.request.sampling.logprobs is not None else None,
         )
 
     def result(self) -> GenerationResult:
@@ -218,6 +236,8 @@ class Engine:
             self._proposers = {}
         self.available_methods: tuple[Method, ...] = ("none", *self._proposers)
         self._eos = _eos_ids(target, tokenizer)
+        self.grammars = Grammars(tokenizer, self.vocab_size, self._eos)
+        threading.Thread(target=self.grammars.prepare, name="specgate-grammar", daemon=True).start()
         self._listener = on_fallback
         self._load_shedding = False
         self._costs = PassCosts()
@@ -299,7 +319,9 @@ class Engine:
         if self._closed:
             raise EngineClosedError("engine is shut down")
         self._validate(request)
-        handle = RequestHandle(request, time.perf_counter())
+        constraint = request.sampling.constraint
+        grammar = self.grammars.compile(constraint) if constraint is not None else None
+        handle = RequestHandle(request, time.perf_counter(), grammar)
         try:
             self._queue.put_nowait(handle)
         except queue.Full:
@@ -333,6 +355,7 @@ class Engine:
             raise InvalidRequestError("top_p must lie in (0, 1]", "top_p")
         if params.top_k < 0:
             raise InvalidRequestError("top_k must not be negative", "top_k")
+        _validate_processors(params, self.vocab_size)
         needed = len(request.prompt_ids) + params.max_tokens
         if needed > self.max_context:
             raise PromptTooLongError(
@@ -465,29 +488,58 @@ class Engine:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         prompt = list(request.prompt_ids)
         output = OutputAssembler(self.tokenizer, params, prompt, self._eos)
+        processing = None
+        if params.processes_logits:
+            processing = LogitsProcessing(
+                params,
+                prompt,
+                self.vocab_size,
+                frozenset() if params.ignore_eos else self._eos,
+                self.device,
+                None if handle.grammar is None else self.grammars.matcher(handle.grammar),
+            )
+        recorder = (
+            None if params.logprobs is None else LogprobRecorder(self.tokenizer, params.logprobs)
+        )
 
         with _tracer.start_as_current_span("specgate.prefill") as span:
             span.set_attribute("specgate.prompt_tokens", len(prompt))
             prefill(self._target, prompt)
         with _tracer.start_as_current_span("specgate.decode") as span:
             steps = decode(
-                self._target, prompt, params, generator, stats, plan.speculation, self._costs
+                self._target,
+                prompt,
+                params,
+                generator,
+                stats,
+                plan.speculation,
+                self._costs,
+                processing,
+                None if recorder is None else recorder.observe,
             )
             for tokens in steps:
                 if handle.cancelled:
                     break
+                before = len(output.token_ids)
                 piece = output.add(tokens)
+                logprobs = None
+                if recorder is not None:
+                    logprobs = recorder.take(before, len(output.token_ids))
                 if not stats.time_to_first_token_s:
                     stats.time_to_first_token_s = time.perf_counter() - handle.submitted_at
                 stats.num_output_tokens = len(output.token_ids)
                 if piece.finish_reason is not None:
                     stats.total_time_s = time.perf_counter() - handle.submitted_at
                     handle.put(
-                        StreamDelta(piece.text, tuple(piece.token_ids), piece.finish_reason, stats)
+                        StreamDelta(
+                            piece.text, tuple(piece.token_ids), piece.finish_reason, stats, logprobs
+                        )
                     )
                     break
                 if piece.token_ids or piece.text:
-                    handle.put(StreamDelta(piece.text, tuple(piece.token_ids)))
+                    handle.put(
+                        StreamDelta(piece.text, tuple(piece.token_ids), logprobs=logprobs)
+                    )
             steps.close()
             _annotate(span, stats)
         if plan.speculation is not None:
@@ -500,6 +552,28 @@ class Engine:
                 steps=stats.num_target_passes,
                 plain_steps=plan.speculation.length.plain_steps if adaptive else 0,
             )
+
+
+def _validate_processors(params: SamplingParams, vocab_size: int) -> None:
+    """The logits processors' ranges (OpenAI's, and vLLM's for its extensions)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= getattr(params, name) <= 2.0:
+            raise InvalidRequestError(f"{name} must lie in [-2, 2]", name)
+    if not 0.0 < params.repetition_penalty <= 2.0:
+        raise InvalidRequestError("repetition_penalty must lie in (0, 2]", "repetition_penalty")
+    for token, bias in params.logit_bias:
+        if not 0 <= token < vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias token ids must lie in [0, {vocab_size})", "logit_bias"
+            )
+        if not -100.0 <= bias <= 100.0:
+            raise InvalidRequestError("logit_bias values must lie in [-100, 100]", "logit_bias")
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        raise InvalidRequestError("min_tokens must lie in [0, max_tokens]", "min_tokens")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(
+            f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs"
+        )
 
 
 def _annotate(span: trace.Span, stats: GenerationStats) -> None:

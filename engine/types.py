@@ -15,6 +15,22 @@ METHODS: tuple[Method, ...] = ("none", "ngram", "draft")
 # says they do not pay (the default acceptance threshold applies to them only).
 MODEL_BASED_METHODS: frozenset[Method] = frozenset({"draft"})
 FinishReason = Literal["stop", "length"]
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+# OpenAI's limit on top_logprobs, used for completions' ``logprobs`` too.
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match (constrained decoding, ``engine.logits_processors``).
+
+    ``spec`` is the JSON schema's canonical JSON text (``json_schema``; ``"{}"`` for
+    ``json_object``, any JSON object), the regular expression (``regex``), a JSON list of the
+    allowed strings (``choice``) or an EBNF grammar in xgrammar's dialect (``grammar``).
+    """
+
+    kind: ConstraintKind
+    spec: str
 
 
 @dataclass(frozen=True)
@@ -26,6 +42,16 @@ class SamplingParams:
     string itself is not returned (OpenAI's behaviour). ``seed_drawn``: the caller drew
     ``seed`` itself (to record it) for a client that asked for none, so the request is not
     pinned to a fixed k as a client-seeded one is; its adaptive schedule is in the stats.
+
+    The logits processors (``engine.logits_processors``), all off at their defaults:
+    ``presence_penalty``/``frequency_penalty`` subtract from the logit of each token by
+    whether/how often it occurs in the output so far (OpenAI's definition);
+    ``repetition_penalty`` divides a positive logit (multiplies a negative one) of each token
+    seen in prompt or output (vLLM's and Hugging Face's); ``logit_bias`` adds to token ids'
+    logits; ``min_tokens`` forbids end-of-sequence and stop tokens before that many output
+    tokens; ``constraint`` masks every token the output's grammar does not allow.
+    ``logprobs`` asks for the log-probability of each output token and of that many most
+    likely alternatives (``None``: none).
     """
 
     max_tokens: int = 16
@@ -37,10 +63,29 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed_drawn: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    constraint: Constraint | None = None
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processor is on (otherwise processing costs nothing)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.constraint is not None
+        )
 
 
 @dataclass(frozen=True)
@@ -115,13 +160,28 @@ class GenerationStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability under the target's processed distribution, with
+    the ``top`` most likely tokens there (``(text, logprob)``, most likely first). ``text``
+    is the token decoded alone; ``bytes`` its UTF-8 bytes as the tokenizer holds them."""
+
+    token_id: int
+    text: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
+
+
+@dataclass(frozen=True)
 class StreamDelta:
-    """A piece of output. The last delta of a request carries ``finish_reason`` and ``stats``."""
+    """A piece of output. The last delta of a request carries ``finish_reason`` and ``stats``.
+    ``logprobs`` (when asked for) has one entry per token in ``token_ids``."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +190,7 @@ class GenerationResult:
     text: str
     finish_reason: FinishReason
     stats: GenerationStats
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -12,21 +12,25 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
 import structlog
+from pydantic import BaseModel
 
+from engine.tool_parsers import PARSERS, ParsedCall, ParsedOutput
 from engine.types import (
+    Constraint,
     EngineError,
     GenerationRequest,
     GenerationResult,
     GenerationStats,
     SamplingParams,
     SpeculativeChoice,
+    TokenLogprob,
 )
 from gateway.admission import Slots
 from gateway.audit.log import AppendedEvent, AuditUnavailableError
@@ -54,9 +58,19 @@ from gateway.recording import (
 )
 from gateway.schemas import (
     ChatCompletionRequest,
+    ChoiceLogprobs,
+    CompletionLogprobs,
     CompletionRequest,
+    FunctionCall,
+    NamedToolChoice,
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
+    ResponseMessage,
     SpeculativeRequest,
     SpeculativeUsage,
+    TokenLogprobInfo,
+    ToolCall,
+    TopLogprob,
 )
 
 log = structlog.get_logger(__name__)
@@ -83,6 +97,32 @@ class Prompt:
     param: str
 
 
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request's output becomes tool calls. ``auto``: the template's parser reads
+    calls out of free text; ``named``: the output is constrained to the function's arguments
+    (its JSON schema); ``required``: to a JSON list of ``{"name", "parameters"}`` calls."""
+
+    mode: Literal["auto", "required", "named"]
+    parser: str
+    named: str | None = None
+    parallel: bool = True
+
+    def parse(self, text: str) -> ParsedOutput:
+        if self.mode == "named":
+            assert self.named is not None
+            return ParsedOutput(None, (ParsedCall(self.named, text),))
+        if self.mode == "required":
+            try:
+                calls = json.loads(text)
+                listed = tuple(ParsedCall(c["name"], json.dumps(c["parameters"])) for c in calls)
+            except (json.JSONDecodeError, TypeError, KeyError):
+                return ParsedOutput(text, ())  # cut short by max_tokens: not a whole call
+            return ParsedOutput(None, listed if self.parallel else listed[:1])
+        parsed = PARSERS[self.parser](text)
+        return parsed if self.parallel else ParsedOutput(parsed.content, parsed.calls[:1])
+
+
 @dataclass
 class Job:
     """A validated request, ready for the backend."""
@@ -97,6 +137,7 @@ class Job:
     user: str | None
     store_content: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolPlan | None = None
 
     @property
     def route(self) -> str:
@@ -184,23 +225,168 @@ def _check_prompt_bytes(size: int, limit: int, param: str) -> None:
 def chat_prompt(
     body: ChatCompletionRequest, backend: GenerationBackend, max_prompt_bytes: int
 ) -> Prompt:
-    """Render the messages with the model's chat template (generation prompt added)."""
-    messages = [
-        {
+    """Render the messages with the model's chat template (generation prompt added); the
+    tools too unless ``tool_choice`` is ``none``."""
+    messages: list[dict[str, Any]] = []
+    for message in body.messages:
+        rendered: dict[str, Any] = {
             "role": "system" if message.role == "developer" else message.role,
             "content": message.text(),
         }
-        for message in body.messages
-    ]
-    size = sum(len(message["content"].encode("utf-8")) for message in messages)
+        if message.tool_calls:
+            rendered["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in message.tool_calls
+            ]
+        if message.tool_call_id is not None:
+            rendered["tool_call_id"] = message.tool_call_id
+        messages.append(rendered)
+    tools = (
+        [tool.model_dump(exclude_none=True) for tool in body.tools]
+        if body.tools and body.tool_choice != "none"
+        else None
+    )
+    size = len(json.dumps(messages).encode("utf-8")) + len(json.dumps(tools).encode("utf-8"))
     _check_prompt_bytes(size, max_prompt_bytes, "messages")
-    text, token_ids = backend.render_chat(messages)
+    text, token_ids = backend.render_chat(messages, tools)
     return Prompt(
         token_ids,
         text_bytes(text),
         [m.model_dump(exclude_none=True) for m in body.messages],
         "messages",
     )
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as templates expect them: the JSON value (its text if not JSON)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def tool_plan(body: ChatCompletionRequest, card: BackendCard) -> ToolPlan | None:
+    if not body.tools or body.tool_choice == "none":
+        return None
+    parallel = body.parallel_tool_calls is not False
+    if isinstance(body.tool_choice, NamedToolChoice):
+        return ToolPlan("named", card.tool_call_parser, body.tool_choice.function.name, parallel)
+    if body.tool_choice == "required":
+        return ToolPlan("required", card.tool_call_parser, None, parallel)
+    return ToolPlan("auto", card.tool_call_parser, None, parallel)
+
+
+def _parameters(body: ChatCompletionRequest, name: str) -> dict[str, Any]:
+    for tool in body.tools or []:
+        if tool.function.name == name:
+            return tool.function.parameters or {"type": "object"}
+    raise AssertionError("the schema checks that a named tool exists")
+
+
+def constraint(
+    body: ChatCompletionRequest | CompletionRequest, tools: ToolPlan | None
+) -> Constraint | None:
+    """The one output constraint a request asks for (400 when it asks for two)."""
+    found: list[tuple[str, Constraint]] = []
+    if isinstance(body, ChatCompletionRequest):
+        fmt = body.response_format
+        if isinstance(fmt, ResponseFormatJsonObject):
+            found.append(("response_format", Constraint("json_object", "{}")))
+        elif isinstance(fmt, ResponseFormatJsonSchema):
+            schema = fmt.json_schema.schema_ or {"type": "object"}
+            found.append(("response_format", Constraint("json_schema", _canonical(schema))))
+        if tools is not None and tools.mode == "named" and tools.named is not None:
+            schema = _parameters(body, tools.named)
+            found.append(("tool_choice", Constraint("json_schema", _canonical(schema))))
+        elif tools is not None and tools.mode == "required":
+            found.append(("tool_choice", Constraint("json_schema", _canonical(_calls(body)))))
+    outputs = body.structured_outputs
+    if outputs is not None:
+        if outputs.json_ is not None:
+            found.append(("structured_outputs", _json_constraint(outputs.json_)))
+        elif outputs.regex is not None:
+            found.append(("structured_outputs", Constraint("regex", outputs.regex)))
+        elif outputs.choice is not None:
+            found.append(("structured_outputs", Constraint("choice", json.dumps(outputs.choice))))
+        elif outputs.grammar is not None:
+            found.append(("structured_outputs", Constraint("grammar", outputs.grammar)))
+        else:
+            found.append(("structured_outputs", Constraint("json_object", "{}")))
+    if body.guided_json is not None:
+        found.append(("guided_json", _json_constraint(body.guided_json)))
+    if body.guided_regex is not None:
+        found.append(("guided_regex", Constraint("regex", body.guided_regex)))
+    if body.guided_choice is not None:
+        found.append(("guided_choice", Constraint("choice", json.dumps(body.guided_choice))))
+    if len(found) > 1:
+        raise APIError(
+            400,
+            f"Only one output constraint may be given; this request has {len(found)} "
+            f"({', '.join(name for name, _ in found)}).",
+            param=found[1][0],
+        )
+    return found[0][1] if found else None
+
+
+def _json_constraint(schema: dict[str, Any] | str) -> Constraint:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise APIError(
+                400, f"The JSON schema is not JSON: {error}", param="guided_json"
+            ) from error
+    if not isinstance(schema, dict):
+        raise APIError(400, "A JSON schema must be a JSON object.", param="guided_json")
+    return Constraint("json_schema", _canonical(schema))
+
+
+def _calls(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The schema of ``tool_choice: required`` output: a list of one or more calls."""
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool.function.name},
+                "parameters": tool.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for tool in body.tools or []
+    ]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": options}, "minItems": 1}
+    if body.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _logit_bias(
+    body: ChatCompletionRequest | CompletionRequest, card: BackendCard
+) -> tuple[tuple[int, float], ...]:
+    bias = tuple((int(token), value) for token, value in (body.logit_bias or {}).items())
+    if any(token >= card.vocab_size for token, _ in bias):
+        raise APIError(
+            400, f"logit_bias token ids must lie in [0, {card.vocab_size}).", param="logit_bias"
+        )
+    return bias
+
+
+def _logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
 
 
 def completion_prompt(
@@ -282,6 +468,9 @@ def build_job(
     )
     max_tokens = _max_tokens(body, prompt, card)
     seed = body.seed if body.seed is not None else secrets.randbits(DRAWN_SEED_BITS)
+    tools = tool_plan(body, card) if isinstance(body, ChatCompletionRequest) else None
+    if body.min_tokens is not None and body.min_tokens > max_tokens:
+        raise APIError(400, "min_tokens must not exceed max_tokens.", param="min_tokens")
     sampling = [
         SamplingParams(
             max_tokens=max_tokens,
@@ -291,6 +480,13 @@ def build_job(
             seed=seed + index,
             stop=body.stop_sequences(),
             seed_drawn=body.seed is None,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            logit_bias=_logit_bias(body, card),
+            min_tokens=body.min_tokens or 0,
+            constraint=constraint(body, tools),
+            logprobs=_logprobs(body),
         )
         for index in range(body.n)
     ]
@@ -304,6 +500,7 @@ def build_job(
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         user=body.user,
         store_content=store_content if body.store_content is None else body.store_content,
+        tools=tools,
     )
 
 
@@ -327,6 +524,59 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def chat_message(job: Job, text: str, finish_reason: str) -> tuple[ResponseMessage, str]:
+    """The assistant message for a choice's text, its tool calls parsed out (then the finish
+    reason is ``tool_calls``)."""
+    if job.tools is None:
+        return ResponseMessage(content=text), finish_reason
+    parsed = job.tools.parse(text) if finish_reason == "stop" else ParsedOutput(text, ())
+    if not parsed.calls:
+        return ResponseMessage(content=parsed.content or ""), finish_reason
+    calls = [
+        ToolCall(
+            id=f"call_{uuid.uuid4().hex[:24]}",
+            function=FunctionCall(name=call.name, arguments=call.arguments),
+        )
+        for call in parsed.calls
+    ]
+    return ResponseMessage(content=parsed.content, tool_calls=calls), "tool_calls"
+
+
+def _top(entry: TokenLogprob) -> list[TopLogprob]:
+    return [TopLogprob(token=t, bytes=list(b), logprob=v) for t, b, v in entry.top]
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob] | None) -> ChoiceLogprobs | None:
+    if entries is None:
+        return None
+    return ChoiceLogprobs(
+        content=[
+            TokenLogprobInfo(
+                token=e.text, bytes=list(e.bytes), logprob=e.logprob, top_logprobs=_top(e)
+            )
+            for e in entries
+        ]
+    )
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob] | None, offset: int = 0
+) -> CompletionLogprobs | None:
+    """The legacy shape; ``offset`` is where the first token's text starts in the output."""
+    if entries is None:
+        return None
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.text)
+    return CompletionLogprobs(
+        tokens=[e.text for e in entries],
+        token_logprobs=[e.logprob for e in entries],
+        top_logprobs=[{t: v for t, _, v in e.top} for e in entries],
+        text_offset=offsets,
+    )
+
+
 @dataclass
 class _ChoiceState:
     text: str = ""
@@ -334,6 +584,7 @@ class _ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -417,6 +668,7 @@ class AuditedGeneration:
                 speculative=job.speculative,
                 stream=job.stream,
                 subject_ref=subject_ref,
+                store_content=job.store_content,
             )
             payload["instance_id"] = services.instance_id
             if self.data_key is None:
@@ -495,6 +747,7 @@ class AuditedGeneration:
         for state, result in zip(self.choices, results, strict=True):
             state.text, state.num_tokens = result.text, len(result.token_ids)
             state.token_ids = list(result.token_ids)
+            state.logprobs = list(result.logprobs or ())
             state.finish_reason, state.stats = result.finish_reason, result.stats
         try:
             await self.close("ok", None)
@@ -515,13 +768,24 @@ class AuditedGeneration:
                         chunks.choice(index, {"delta": {"role": "assistant", "content": ""}}, None)
                     )
                 async for delta in handle.deltas():
+                    offset = len(state.text)
                     state.text += delta.text
                     state.num_tokens += len(delta.token_ids)
                     state.token_ids.extend(delta.token_ids)
                     if delta.finish_reason is not None:
                         state.finish_reason, state.stats = delta.finish_reason, delta.stats
-                    if delta.text or delta.finish_reason is not None:
-                        yield _sse(chunks.text(index, delta.text, delta.finish_reason))
+                    if self.job.tools is not None:
+                        # Calls are parsed from the whole text: it streams at the end.
+                        if delta.finish_reason is not None:
+                            for chunk in chunks.tool_output(index, state.text, delta.finish_reason):
+                                yield _sse(chunk)
+                        continue
+                    if delta.text or delta.finish_reason is not None or delta.logprobs:
+                        yield _sse(
+                            chunks.text(
+                                index, delta.text, delta.finish_reason, delta.logprobs, offset
+                            )
+                        )
         except EngineError as error:
             await self.close_quietly("error", str(error))
             yield _sse(_error_chunk(from_engine_error(error)))
@@ -665,13 +929,43 @@ class StreamChunks:
             chunk["usage"] = None
         return chunk
 
-    def text(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def text(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        offset: int = 0,
+    ) -> dict[str, Any]:
         if self.job.kind == "chat":
-            return self.choice(index, {"delta": {"content": text} if text else {}}, finish_reason)
-        return self.choice(index, {"text": text}, finish_reason)
+            chunk = self.choice(index, {"delta": {"content": text} if text else {}}, finish_reason)
+            if logprobs is not None:
+                chunk["choices"][0]["logprobs"] = _dump(chat_logprobs(logprobs))
+            return chunk
+        chunk = self.choice(index, {"text": text}, finish_reason)
+        if logprobs is not None:
+            chunk["choices"][0]["logprobs"] = _dump(completion_logprobs(logprobs, offset))
+        return chunk
+
+    def tool_output(self, index: int, text: str, finish_reason: str) -> list[dict[str, Any]]:
+        """The chunks of a finished tool-enabled choice: content, or one ``tool_calls``
+        delta per call (index, id, type, name, the whole arguments), then the finish."""
+        message, finish = chat_message(self.job, text, finish_reason)
+        chunks = []
+        if message.content:
+            chunks.append(self.choice(index, {"delta": {"content": message.content}}, None))
+        for position, call in enumerate(message.tool_calls or []):
+            delta = {"tool_calls": [{"index": position, **call.model_dump()}]}
+            chunks.append(self.choice(index, {"delta": delta}, None))
+        chunks.append(self.choice(index, {"delta": {}}, finish))
+        return chunks
 
     def usage(self, usage: dict[str, int], speculative: SpeculativeUsage) -> dict[str, Any]:
         return {**self.base, "choices": [], "usage": usage, "speculative": speculative.model_dump()}
+
+
+def _dump(value: BaseModel | None) -> Any:
+    return None if value is None else value.model_dump(mode="json")
 
 
 def _error_chunk(error: APIError) -> dict[str, Any]:

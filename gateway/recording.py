@@ -8,6 +8,7 @@ subject by keyed reference only.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -94,6 +95,7 @@ def request_payload(
     speculative: SpeculativeChoice,
     stream: bool,
     subject_ref: str,
+    store_content: bool,
 ) -> dict[str, Any]:
     """The `request` event, committed before generation starts (fail closed). ``sampling.seed``
     is the effective seed: the client's, or the one drawn for it (``seed_drawn``); with the
@@ -122,6 +124,7 @@ def request_payload(
             "seed_drawn": sampling.seed_drawn,
             "stop": list(sampling.stop),
             "n": n,
+            **processor_fields(sampling, with_text=store_content),
         },
         "stream": stream,
         "prompt_commitment": prompt_commitment,
@@ -155,6 +158,28 @@ def schedule_record(stats: GenerationStats | None) -> dict[str, Any] | None:
         "fallback_active": stats.fallback_active,
         "proposal_lengths": run_lengths(stats.proposal_lengths),
     }
+
+
+def processor_fields(sampling: SamplingParams, *, with_text: bool) -> dict[str, Any]:
+    """The logits processors a request asked for. A constraint (JSON schema, regex, choices,
+    grammar) is recorded by its kind and SHA-256, its text only with content storage on: a
+    schema can say as much about the request as its prompt does."""
+    fields: dict[str, Any] = {
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "repetition_penalty": sampling.repetition_penalty,
+        "logit_bias": {str(token): bias for token, bias in sampling.logit_bias},
+        "min_tokens": sampling.min_tokens,
+        "logprobs": sampling.logprobs,
+        "constraint": None,
+    }
+    constraint = sampling.constraint
+    if constraint is not None:
+        digest = hashlib.sha256(constraint.spec.encode("utf-8")).hexdigest()
+        fields["constraint"] = {"kind": constraint.kind, "sha256": digest}
+        if with_text:
+            fields["constraint"]["spec"] = constraint.spec
+    return fields
 
 
 def combined_stats(all_stats: Sequence[GenerationStats]) -> GenerationStats | None:

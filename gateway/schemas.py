@@ -1,18 +1,28 @@
 """Request and response bodies in OpenAI's shapes, plus Specgate's extensions.
 
-Extensions: ``top_k`` and ``speculative`` on requests; ``speculative`` (acceptance figures) on
-responses. Parameters OpenAI defines but Specgate does not implement are accepted only at
+Extensions: ``top_k``, ``speculative`` and vLLM's ``repetition_penalty``, ``min_tokens`` and
+structured-output parameters (``structured_outputs``, ``guided_json``, ``guided_regex``,
+``guided_choice``) on requests; ``speculative`` (acceptance figures) on responses.
+Parameters OpenAI defines but Specgate does not implement are accepted only at
 their neutral value (so clients that send defaults keep working) and otherwise refused with
 a 400 naming them; unknown parameters are refused as OpenAI refuses them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from engine.types import Method
+from engine.types import MAX_TOP_LOGPROBS, Method
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_CHOICES = 16
@@ -20,17 +30,8 @@ MAX_STOP_SEQUENCES = 4
 
 # Accepted values of parameters Specgate does not implement: each one's "off" setting.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -47,15 +48,15 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
 }
 _CHAT_UNSUPPORTED = (
-    "logprobs", "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "tools",
-    "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
-    "audio", "modalities", "prediction", "reasoning_effort", "verbosity", "web_search_options",
-    "service_tier", "store", "metadata", "prompt_cache_key", "safety_identifier",
+    "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+    "verbosity", "web_search_options", "service_tier", "store", "metadata", "prompt_cache_key",
+    "safety_identifier",
 )  # fmt: skip
-_COMPLETION_UNSUPPORTED = (
-    "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "best_of", "echo",
-    "suffix",
-)  # fmt: skip
+_COMPLETION_UNSUPPORTED = ("best_of", "echo", "suffix")
+# OpenAI's limits: a tool's name, logit_bias values, top_logprobs (engine.types).
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_TOOLS = 128
+MAX_LOGIT_BIAS = 300
 
 
 def _check_neutral(value: Any, info: ValidationInfo) -> Any:
@@ -78,8 +79,27 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        given = [v for v in (self.json_, self.regex, self.choice, self.grammar) if v is not None]
+        if len(given) + bool(self.json_object) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+
 class _SamplingFields(_Strict):
-    """Fields shared by both endpoints; ranges follow OpenAI's."""
+    """Fields shared by both endpoints; ranges follow OpenAI's (vLLM's for its extensions)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -101,6 +121,31 @@ class _SamplingFields(_Strict):
         description="Specgate extension: keep this request's text, encrypted outside the audit "
         "chain (absent: the server's store_content setting).",
     )
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(
+        default=None, gt=0.0, le=2.0, description="vLLM extension; 1 = off."
+    )
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    min_tokens: int | None = Field(default=None, ge=0, description="vLLM extension.")
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None, description="vLLM extension: constrain the output."
+    )
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="vLLM (older).")
+    guided_regex: str | None = Field(default=None, min_length=1, description="vLLM (older).")
+    guided_choice: list[str] | None = Field(
+        default=None, min_length=1, description="vLLM (older)."
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit() or len(token) > 9:
+                raise ValueError("logit_bias keys must be token ids (strings of digits)")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError("logit_bias values must lie in [-100, 100]")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -123,32 +168,110 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    """A message; an assistant turn may carry ``tool_calls`` and no content, a ``tool``
+    message answers the call named by ``tool_call_id``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.role == "assistant":
+            if self.content is None and not self.tool_calls:
+                raise ValueError("an assistant message needs content or tool_calls")
+        elif self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool messages, and only they, carry tool_call_id")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormatText(_Strict):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormatJsonSchema(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
+    Field(discriminator="type"),
+]
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -163,15 +286,26 @@ class ChatCompletionRequest(_SamplingFields):
 
     reject_unsupported = field_validator(*_CHAT_UNSUPPORTED, mode="before")(_check_neutral)
 
+    @model_validator(mode="after")
+    def _tools_and_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in names:
+                raise ValueError("tool_choice names a function that is not in tools")
+        elif self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
 
-    logprobs: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
@@ -197,16 +331,32 @@ class SpeculativeUsage(BaseModel):
     fallback_active: bool
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobInfo(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobInfo] | None
+    refusal: None = None
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ResponseMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -220,11 +370,20 @@ class ChatCompletion(BaseModel):
     speculative: SpeculativeUsage
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists per output token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):

@@ -139,6 +139,11 @@ class Settings(BaseSettings):
         default=False,
         description="Accept a draft with another tokenizer (its text re-tokenized for the target).",
     )
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+        default=None,
+        description="How tool calls are read from the output (vLLM's --tool-call-parser); "
+        "unset: chosen from the model's chat template.",
+    )
 
     audit_mac_key_path: Path = Field(
         default_factory=lambda data: (
@@ -363,6 +368,7 @@ def engine_config(settings: Settings) -> EngineConfig:
             served_model_name=settings.served_model_name
             or (DEMO_MODEL_NAME if settings.target is None else None),
             translate_draft_tokens=settings.translate_draft_tokens,
+            tool_call_parser=settings.tool_call_parser,
         )
     except ValidationError as error:
         if method == "draft" and draft is None:

@@ -126,6 +126,8 @@ def test_bench_command_runs_every_method_on_tiny_models(tmp_path: Path) -> None:
     assert report["recommendations"]["mine"].startswith("mine: ")
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "| mine | draft k=3 |" in (out / "bench.md").read_text()
+    for label in ("none", "ngram k=3", "draft k=3"):
+        assert f"constrained decoding (json_object), {label}: " in (out / "bench.md").read_text()
 
 
 def _diverging_table() -> RunTable:

@@ -9,11 +9,14 @@ its own state. Medusa or EAGLE heads fit the same two calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.types import Method, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.logits_processors import LogitsProcessing
 
 
 @dataclass(frozen=True)
@@ -37,9 +40,12 @@ class Proposer(Protocol):
         params: SamplingParams,
         generator: torch.Generator,
         min_confidence: float = 0.0,
+        processing: LogitsProcessing | None = None,
     ) -> Proposal:
         """Up to ``k`` tokens that may follow ``context``. A proposer that knows how sure it
-        is stops after a token it gives a probability below ``min_confidence``."""
+        is stops after a token it gives a probability below ``min_confidence``. A proposer
+        that draws from logits processes them with ``processing`` first (the tokens it has
+        proposed so far as the row's path), exactly as the target's are."""
 
     def accepted(self, context: list[int]) -> None:
         """Verification committed ``context``; anything proposed beyond it was rejected."""

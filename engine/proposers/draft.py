@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from engine.loading import input_rows
+from engine.logits_processors import LogitsProcessing
 from engine.model_runner import ModelRunner
 from engine.proposers.base import Proposal
 from engine.sampling import probabilities, sample
@@ -67,6 +68,7 @@ class DraftModelProposer:
         params: SamplingParams,
         generator: torch.Generator,
         min_confidence: float = 0.0,
+        processing: LogitsProcessing | None = None,
     ) -> Proposal:
         # Feed whatever of the context the cache lacks (the last token, plus any accepted
         # tokens the draft never saw), then extend one token at a time.
@@ -80,14 +82,32 @@ class DraftModelProposer:
         for _ in range(k):
             logits = self.runner.forward(pending, last_only=True)[-1, : self.rows]
             self.cached.extend(pending)
-            if params.greedy:
+            if processing is not None:
+                # Processed over the target's ids, as the target's rows are: the draft's
+                # logits placed on their ids, -inf where the draft cannot propose.
+                full = self._over_target_ids(logits, float("-inf"))
+                full = processing.apply(full.unsqueeze(0), [tokens])[0]
+                if not torch.isfinite(full.amax()):
+                    break  # the draft has no token the constraints allow here
+                index = int(full.argmax().item())
+                if params.greedy:
+                    token = index
+                    sure = min_confidence <= 0.0 or bool(
+                        torch.softmax(full, dim=-1)[index] >= min_confidence
+                    )
+                else:
+                    q = probabilities(full, params)
+                    token = sample(q, generator)
+                    rows.append(q)
+                    sure = bool(q.max() >= min_confidence)
+            elif params.greedy:
                 index = int(logits.argmax().item())
                 token = self._token(index)
                 sure = min_confidence <= 0.0 or bool(
                     torch.softmax(logits, dim=-1)[index] >= min_confidence
                 )
             else:
-                q = self._over_target_ids(probabilities(logits, params))
+                q = self._over_target_ids(probabilities(logits, params), 0.0)
                 token = sample(q, generator)
                 rows.append(q)
                 sure = bool(q.max() >= min_confidence)
@@ -100,11 +120,11 @@ class DraftModelProposer:
     def _token(self, row: int) -> int:
         return row if self.vocabulary is None else int(self.vocabulary[row])
 
-    def _over_target_ids(self, q: torch.Tensor) -> torch.Tensor:
-        """q over the head's rows, placed on the target's ids with 0 everywhere else."""
+    def _over_target_ids(self, q: torch.Tensor, fill: float) -> torch.Tensor:
+        """Values over the head's rows placed on the target's ids, ``fill`` everywhere else."""
         if self.vocabulary is None:
-            return torch.nn.functional.pad(q, (0, self.target_ids - len(q)))
-        full = q.new_zeros(self.target_ids)
+            return torch.nn.functional.pad(q, (0, self.target_ids - len(q)), value=fill)
+        full = q.new_full((self.target_ids,), fill)
         full[self.vocabulary[: self.rows].to(q.device)] = q
         return full
 

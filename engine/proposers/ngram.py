@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.logits_processors import LogitsProcessing
 from engine.proposers.base import Proposal
 from engine.types import Method, SamplingParams
 
@@ -49,6 +50,7 @@ class NgramProposer:
         params: SamplingParams,
         generator: torch.Generator,
         min_confidence: float = 0.0,
+        processing: LogitsProcessing | None = None,
     ) -> Proposal:
         return Proposal(lookup(context, k, self.min_n, self.max_n))
 

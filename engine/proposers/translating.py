@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from engine.logits_processors import LogitsProcessing
 from engine.model_runner import ModelRunner
 from engine.proposers.base import Proposal
 from engine.types import Method, SamplingParams
@@ -72,6 +73,7 @@ class TranslatingDraftProposer:
         params: SamplingParams,
         generator: torch.Generator,
         min_confidence: float = 0.0,
+        processing: LogitsProcessing | None = None,
     ) -> Proposal:
         text = _text(self.target_tokenizer, context, skip_special_tokens=True)
         draft_ids = self.draft_tokenizer.encode(text)

@@ -8,7 +8,7 @@ model code in it, so a remote backend can speak it too.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +37,9 @@ class BackendCard:
     speculative_config: dict[str, Any]
     default_method: Method
     default_num_speculative_tokens: int | None
+    # How tool calls are read from output text (``engine.tool_parsers``; vLLM's
+    # ``--tool-call-parser``): chosen by the chat template unless configured.
+    tool_call_parser: str = "hermes"
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,13 @@ class GenerationBackend(Protocol):
     @property
     def card(self) -> BackendCard: ...
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> tuple[str, tuple[int, ...]]:
-        """The prompt text for chat messages (generation prompt added) and its token ids."""
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> tuple[str, tuple[int, ...]]:
+        """The prompt text for chat messages and tools (generation prompt added) and its
+        token ids."""
         ...
 
     def tokenize(self, text: str) -> tuple[int, ...]:

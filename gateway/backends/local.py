@@ -6,12 +6,14 @@ of the gateway sees ``gateway.backends.base`` only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from engine.chat import render_chat
 from engine.config import EngineConfig
 from engine.divergence import first_divergence
 from engine.service import Engine, RequestHandle
+from engine.tool_parsers import parser_for_template
 from engine.types import FallbackEvent, GenerationRequest, Method
 from gateway.backends.base import BackendCard, BackendHealth
 
@@ -34,6 +36,8 @@ class LocalBackend:
             speculative_config=spec.model_dump(mode="json"),
             default_method=spec.method,
             default_num_speculative_tokens=spec.num_speculative_tokens,
+            tool_call_parser=engine.config.tool_call_parser
+            or parser_for_template(getattr(engine.tokenizer, "chat_template", None)),
         )
 
     @classmethod
@@ -46,8 +50,12 @@ class LocalBackend:
     def card(self) -> BackendCard:
         return self._card
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> tuple[str, tuple[int, ...]]:
-        text = render_chat(self.engine.tokenizer, messages)
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> tuple[str, tuple[int, ...]]:
+        text = render_chat(self.engine.tokenizer, messages, tools)
         return text, tuple(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
     def tokenize(self, text: str) -> tuple[int, ...]:

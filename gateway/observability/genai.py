@@ -100,6 +100,22 @@ def request_attributes(operation: str, model: str, sampling: SamplingParams) -> 
         attributes["gen_ai.request.top_k"] = sampling.top_k
     if sampling.seed is not None:
         attributes["gen_ai.request.seed"] = sampling.seed
+    if sampling.presence_penalty:
+        attributes["gen_ai.request.presence_penalty"] = sampling.presence_penalty
+    if sampling.frequency_penalty:
+        attributes["gen_ai.request.frequency_penalty"] = sampling.frequency_penalty
+    if sampling.repetition_penalty != 1.0:
+        attributes["specgate.request.repetition_penalty"] = sampling.repetition_penalty
+    if sampling.logit_bias:
+        attributes["specgate.request.logit_bias_tokens"] = len(sampling.logit_bias)
+    if sampling.min_tokens:
+        attributes["specgate.request.min_tokens"] = sampling.min_tokens
+    if sampling.logprobs is not None:
+        attributes["specgate.request.top_logprobs"] = sampling.logprobs
+    if sampling.constraint is not None:
+        kind = sampling.constraint.kind
+        attributes["gen_ai.output.type"] = "json" if kind.startswith("json") else "text"
+        attributes["specgate.request.constraint"] = kind
     return attributes
 
 

@@ -20,7 +20,13 @@ import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 
 from engine.divergence import first_difference
-from engine.types import GenerationRequest, Method, SamplingParams, SpeculativeChoice
+from engine.types import (
+    Constraint,
+    GenerationRequest,
+    Method,
+    SamplingParams,
+    SpeculativeChoice,
+)
 from gateway.audit.log import AuditLog, AuditUnavailableError, record_from_row
 from gateway.audit.records import EventRecord
 from gateway.audit.schema import audit_events
@@ -92,7 +98,16 @@ def configuration_differences(payload: dict[str, Any], card: BackendCard) -> lis
 
 
 def _sampling(payload: dict[str, Any], index: int) -> SamplingParams:
+    """The recorded sampling parameters, logits processors included. A constraint is
+    recorded with its text only when the request's content was stored; without it the
+    request cannot be re-run."""
     sampling = payload["sampling"]
+    recorded = sampling.get("constraint")
+    constraint = None
+    if recorded is not None:
+        if "spec" not in recorded:
+            raise ReplayRefusedError("the request's constraint was recorded by its hash only")
+        constraint = Constraint(kind=recorded["kind"], spec=recorded["spec"])
     return SamplingParams(
         max_tokens=sampling["max_tokens"],
         temperature=sampling["temperature"],
@@ -101,6 +116,15 @@ def _sampling(payload: dict[str, Any], index: int) -> SamplingParams:
         seed=sampling["seed"] + index,
         stop=tuple(sampling["stop"]),
         seed_drawn=sampling.get("seed_drawn", False),
+        presence_penalty=sampling.get("presence_penalty", 0.0),
+        frequency_penalty=sampling.get("frequency_penalty", 0.0),
+        repetition_penalty=sampling.get("repetition_penalty", 1.0),
+        logit_bias=tuple(
+            (int(token), bias) for token, bias in sampling.get("logit_bias", {}).items()
+        ),
+        min_tokens=sampling.get("min_tokens", 0),
+        constraint=constraint,
+        logprobs=sampling.get("logprobs"),
     )
 
 

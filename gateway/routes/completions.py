@@ -13,7 +13,14 @@ from starlette.types import Receive, Scope, Send
 from gateway.auth import AppPrincipal
 from gateway.dependencies import Services, ServicesDep
 from gateway.errors import APIError, shutting_down
-from gateway.generation import AuditedGeneration, build_job, system_fingerprint
+from gateway.generation import (
+    AuditedGeneration,
+    build_job,
+    chat_logprobs,
+    chat_message,
+    completion_logprobs,
+    system_fingerprint,
+)
 from gateway.keys import Principal
 from gateway.schemas import (
     ChatChoice,
@@ -22,7 +29,6 @@ from gateway.schemas import (
     Completion,
     CompletionChoice,
     CompletionRequest,
-    ResponseMessage,
     Usage,
 )
 
@@ -121,6 +127,16 @@ def _json(body: ChatCompletion | Completion, generation: AuditedGeneration) -> J
     return JSONResponse(content, headers=_audit_headers(generation))
 
 
+def _chat_choice(generation: AuditedGeneration, index: int, result: Any) -> ChatChoice:
+    message, finish_reason = chat_message(generation.job, result.text, result.finish_reason)
+    return ChatChoice(
+        index=index,
+        message=message,
+        finish_reason=finish_reason,
+        logprobs=chat_logprobs(result.logprobs),
+    )
+
+
 @router.post("/chat/completions", response_model=ChatCompletion)
 async def chat_completions(
     body: ChatCompletionRequest, principal: AppPrincipal, services: ServicesDep
@@ -137,12 +153,7 @@ async def chat_completions(
             created=job.created,
             model=services.backend.card.model_name,
             system_fingerprint=system_fingerprint(services.backend.card),
-            choices=[
-                ChatChoice(
-                    index=i, message=ResponseMessage(content=r.text), finish_reason=r.finish_reason
-                )
-                for i, r in enumerate(results)
-            ],
+            choices=[_chat_choice(generation, i, r) for i, r in enumerate(results)],
             usage=Usage(**generation.usage()),
             speculative=generation.speculative(),
         ),
@@ -167,7 +178,12 @@ async def completions(
             model=services.backend.card.model_name,
             system_fingerprint=system_fingerprint(services.backend.card),
             choices=[
-                CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+                CompletionChoice(
+                    index=i,
+                    text=r.text,
+                    finish_reason=r.finish_reason,
+                    logprobs=completion_logprobs(r.logprobs),
+                )
                 for i, r in enumerate(results)
             ],
             usage=Usage(**generation.usage()),

@@ -1,0 +1,75 @@
+"""Constrained decoding's cost: tokens/s under a JSON grammar against the same requests
+unconstrained, for plain decoding and each speculation method, measured side by side.
+
+The constrained requests ask for ``json_object`` output (grammar mask on every target row,
+and on the draft's rows before it draws); the unconstrained ones are the same prompts and
+budget. Runs alternate per prompt so that load on shared cores falls on both alike. The
+ratio is the figure to read: what the mask and matcher cost per token, speculation included.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bench.workload import BenchPrompt
+from engine.service import Engine
+from engine.types import Constraint, GenerationRequest, Method, SamplingParams, SpeculativeChoice
+
+JSON_OBJECT = Constraint("json_object", "{}")
+
+
+@dataclass(frozen=True)
+class ConstrainedLine:
+    method: Method
+    k: int | None
+    unconstrained_tps: float
+    constrained_tps: float
+
+    @property
+    def ratio(self) -> float:
+        return self.constrained_tps / self.unconstrained_tps if self.unconstrained_tps else 0.0
+
+    def text(self) -> str:
+        label = "none" if self.method == "none" else f"{self.method} k={self.k}"
+        return (
+            f"constrained decoding (json_object), {label}: {self.constrained_tps:.1f} tok/s vs "
+            f"{self.unconstrained_tps:.1f} unconstrained ({self.ratio:.2f}x), median of runs"
+        )
+
+
+def _tokens_per_second(
+    engine: Engine, prompt: BenchPrompt, method: Method, k: int | None, constrained: bool
+) -> float:
+    params = SamplingParams(
+        max_tokens=prompt.max_tokens,
+        temperature=0.0,
+        constraint=JSON_OBJECT if constrained else None,
+    )
+    request = GenerationRequest(prompt.prompt_ids, params, SpeculativeChoice(method, k))
+    started = time.perf_counter()
+    result = engine.generate(request)
+    seconds = time.perf_counter() - started
+    return len(result.token_ids) / seconds if seconds > 0 else 0.0
+
+
+def measure(
+    engine: Engine, prompts: Sequence[BenchPrompt], repeats: int, k: int
+) -> list[ConstrainedLine]:
+    lines = []
+    for method in engine.available_methods:
+        fixed = None if method == "none" else k
+        plain: list[float] = []
+        masked: list[float] = []
+        for repeat in range(repeats):
+            for index, prompt in enumerate(prompts):
+                order = (False, True) if (repeat + index) % 2 == 0 else (True, False)
+                for constrained in order:
+                    rate = _tokens_per_second(engine, prompt, method, fixed, constrained)
+                    (masked if constrained else plain).append(rate)
+        lines.append(
+            ConstrainedLine(method, fixed, statistics.median(plain), statistics.median(masked))
+        )
+    return lines
