@@ -15,6 +15,10 @@ METHODS: tuple[Method, ...] = ("none", "ngram", "draft")
 # says they do not pay (the default acceptance threshold applies to them only).
 MODEL_BASED_METHODS: frozenset[Method] = frozenset({"draft"})
 FinishReason = Literal["stop", "length"]
+# Where a request's acceptance figures come from: the engine that ran it, the remote
+# server's own per-request figures, or the server's counters over an interval
+# (gateway.backends.vllm_acceptance).
+AcceptanceSource = Literal["engine", "per_request", "interval"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ class GenerationStats:
     fallback_active: bool = False
     time_to_first_token_s: float = 0.0
     total_time_s: float = 0.0
+    acceptance_source: AcceptanceSource = "engine"
+    replica: str | None = None  # the remote server that generated it; None: in-process
 
     @property
     def acceptance_rate(self) -> float:
@@ -103,6 +109,8 @@ class GenerationStats:
             "time_to_first_token_s": self.time_to_first_token_s,
             "total_time_s": self.total_time_s,
             "tokens_per_second": self.tokens_per_second,
+            "acceptance_source": self.acceptance_source,
+            "replica": self.replica,
         }
 
 
@@ -192,6 +200,10 @@ class QueueFullError(EngineError):
 
 class EngineClosedError(EngineError):
     """The engine is shutting down and takes no more requests."""
+
+
+class BackendUnavailableError(EngineError):
+    """No replica of a remote backend can take the request now (the gateway answers 503)."""
 
 
 class IncompatibleDraftError(EngineError):
