@@ -754,5 +754,5 @@ def test_the_example_vllm_deployment_uses_vllms_image_and_is_restricted(
 def test_a_vllm_server_outside_the_cluster_is_refused_by_the_schema(chart: helm.Chart) -> None:
     values = copy.deepcopy(VLLM_EXISTING)
     values["vllm"]["servers"][0]["url"] = "https://api.example.com"
-    with pytest.raises(Exception, match="(?i)schema|pattern|does not match"):
+    with pytest.raises(Exception, match=r"(?i)schema|pattern|does not match"):
         render(chart, values)
