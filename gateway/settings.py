@@ -343,8 +343,8 @@ def vllm_backend_from_flags(
             spec = json.loads(speculative_config)
         except ValueError as error:
             raise ConfigError(f"backend: --vllm-speculative-config is not JSON: {error}") from None
-    common = {"model_version": model_version, "model_dir": model_dir}
-    servers = [{"url": url, "pool": "plain", **common} for url in plain_urls]
+    common: dict[str, Any] = {"model_version": model_version, "model_dir": model_dir}
+    servers: list[dict[str, Any]] = [{"url": url, "pool": "plain", **common} for url in plain_urls]
     servers += [
         {"url": url, "pool": "speculative", "speculative_config": spec, **common}
         for url in speculative_urls

@@ -19,13 +19,13 @@ import openai
 import pytest
 import sqlalchemy as sa
 
+from bench.vllm_server import VllmServer
 from engine.versioning import model_version, write_manifest
 from gateway.app import load_configured_backend
 from gateway.audit.schema import audit_events
 from gateway.settings import Settings
 from tests.api_harness import LiveGateway, fresh_database, live_gateway
 from tests.tiny_models import build_model, build_tokenizer
-from tests.vllm_server import VllmServer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}  # fmt: skip

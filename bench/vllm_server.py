@@ -1,4 +1,4 @@
-"""Real vLLM servers (the CPU build, from ``.venv-vllm``) for the backend tests.
+"""Real vLLM servers (the CPU build, from ``.venv-vllm``) for the backend tests and the bench.
 
 ``make vllm`` installs vLLM in a venv of its own; without it these tests fail and say so
 (CI runs ``make vllm`` first, so nothing is skipped silently). A server start costs a minute
@@ -52,6 +52,7 @@ class VllmServer:
     served_name: str
     log_path: Path
     speculative_config: dict[str, object] | None = None
+    max_model_len: int = MAX_MODEL_LEN
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     startup_s: float = 0.0
@@ -76,7 +77,7 @@ class VllmServer:
             "--dtype",
             "float32",
             "--max-model-len",
-            str(MAX_MODEL_LEN),
+            str(self.max_model_len),
             "--max-num-seqs",
             "16",
             "--seed",
