@@ -30,7 +30,10 @@ from tests.tiny_models import build_model, build_tokenizer
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}  # fmt: skip
 SERVED = "tiny-vllm"
-MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
+# Chat prompts to try: the random model ends some answers at once; the first whose answer
+# runs at least MIN_TOKENS tokens is compared (found on the server, not assumed).
+CHATS = ["def add(a, b):", "Hello, world!", "class Point:", "for i in range(10):", "import os"]
+MIN_TOKENS = 8
 PROMPT = "for i in range(10):\n"
 
 
@@ -117,59 +120,84 @@ def streamed_text(stream: Any, chat: bool) -> tuple[str, int]:
     return text, usage
 
 
+@pytest.fixture(scope="module")
+def chat_case(vllm: Servers) -> tuple[list[dict[str, str]], dict[str, Any]]:
+    """Messages whose greedy answer is long enough to compare, and vLLM's own answer."""
+    for content in CHATS:
+        messages = [{"role": "user", "content": content}]
+        own = direct(
+            vllm.plain,
+            "/v1/chat/completions",
+            {"messages": messages, "max_tokens": 24, "temperature": 0, "return_token_ids": True},
+        )
+        if own["usage"]["completion_tokens"] >= MIN_TOKENS:
+            return messages, own
+    raise AssertionError("no chat prompt gets an answer of MIN_TOKENS tokens from the model")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("speculative", [False, True])
 def test_chat_equals_vllm_token_for_token(
-    gateway: LiveGateway, vllm: Servers, stream: bool, speculative: bool
+    gateway: LiveGateway,
+    chat_case: tuple[list[dict[str, str]], dict[str, Any]],
+    stream: bool,
+    speculative: bool,
 ) -> None:
-    own = direct(
-        vllm.plain,
-        "/v1/chat/completions",
-        {"messages": MESSAGES, "max_tokens": 24, "temperature": 0, "return_token_ids": True},
-    )
+    messages, own = chat_case
     expected = own["choices"][0]["message"]["content"]
     extra = {"speculative": speculative}
     api = client(gateway)
     if stream:
         text, tokens = streamed_text(
             api.chat.completions.create(
-                model=SERVED, messages=MESSAGES, max_tokens=24, temperature=0, stream=True,  # type: ignore[arg-type]
+                model=SERVED, messages=messages, max_tokens=24, temperature=0, stream=True,  # type: ignore[arg-type]
                 stream_options={"include_usage": True}, extra_body=extra,
             ),
             chat=True,
         )  # fmt: skip
     else:
         reply = api.chat.completions.create(
-            model=SERVED, messages=MESSAGES, max_tokens=24, temperature=0, extra_body=extra,  # type: ignore[arg-type]
+            model=SERVED, messages=messages, max_tokens=24, temperature=0, extra_body=extra,  # type: ignore[arg-type]
         )  # fmt: skip
         text, tokens = reply.choices[0].message.content or "", reply.usage.completion_tokens  # type: ignore[union-attr]
     assert (text, tokens) == (expected, len(own["choices"][0]["token_ids"]))
-    assert tokens == 24  # the tiny model never stops early: a real comparison of 24 tokens
+
+
+@pytest.fixture(scope="module")
+def completion_case(vllm: Servers) -> tuple[str, dict[str, Any]]:
+    for prompt in [PROMPT, *CHATS]:
+        own = direct(
+            vllm.plain,
+            "/v1/completions",
+            {"prompt": prompt, "max_tokens": 24, "temperature": 0, "return_token_ids": True},
+        )
+        if own["usage"]["completion_tokens"] >= MIN_TOKENS:
+            return prompt, own
+    raise AssertionError("no prompt gets a completion of MIN_TOKENS tokens from the model")
 
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("speculative", [False, True])
 def test_completions_equal_vllm_token_for_token(
-    gateway: LiveGateway, vllm: Servers, stream: bool, speculative: bool
+    gateway: LiveGateway,
+    completion_case: tuple[str, dict[str, Any]],
+    stream: bool,
+    speculative: bool,
 ) -> None:
-    own = direct(
-        vllm.plain,
-        "/v1/completions",
-        {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "return_token_ids": True},
-    )
+    prompt, own = completion_case
     api = client(gateway)
     extra = {"speculative": speculative}
     if stream:
         text, tokens = streamed_text(
             api.completions.create(
-                model=SERVED, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                model=SERVED, prompt=prompt, max_tokens=24, temperature=0, stream=True,
                 stream_options={"include_usage": True}, extra_body=extra,
             ),
             chat=False,
         )  # fmt: skip
     else:
         reply = api.completions.create(
-            model=SERVED, prompt=PROMPT, max_tokens=24, temperature=0, extra_body=extra
+            model=SERVED, prompt=prompt, max_tokens=24, temperature=0, extra_body=extra
         )
         text, tokens = reply.choices[0].text, reply.usage.completion_tokens  # type: ignore[union-attr]
     assert (text, tokens) == (own["choices"][0]["text"], len(own["choices"][0]["token_ids"]))
