@@ -322,8 +322,8 @@ def test_a_killed_replica_is_taken_out(gateway: LiveGateway, vllm: Servers) -> N
         if line.startswith("specgate_backend_replica_up{")
     }
     assert up == {
-        f'url="{vllm.plain.url}",pool="plain"': 1.0,
-        f'url="{vllm.speculative.url}",pool="speculative"': 0.0,
+        f'pool="plain",url="{vllm.plain.url}"': 1.0,
+        f'pool="speculative",url="{vllm.speculative.url}"': 0.0,
     }, up
     changes = [line for line in metrics.splitlines() if "replica_changes_total{" in line]
     assert any('action="removed"' in line and line.endswith(" 1.0") for line in changes)
