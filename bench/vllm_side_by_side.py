@@ -2,6 +2,7 @@
 
     python -m bench.vllm_side_by_side [--target DIR] [--concurrency 1 4 16]
                                       [--max-tokens 32] [--requests-per-level 16] [--json FILE]
+                                      [--database-url URL]
 
 Starts two vLLM servers on the demo target in float32 (one plain, one with n-gram
 speculation; vLLM's CPU build has no draft-model or EAGLE path worth timing on two cores,
@@ -50,6 +51,7 @@ class Row:
     route: str
     concurrency: int
     requests: int
+    errors: int
     tokens_per_s: float
     p50_ms: float
     p99_ms: float
@@ -80,7 +82,8 @@ async def one(client: httpx.AsyncClient, route: Route, messages: list[dict[str, 
     started = time.perf_counter()
     reply = await client.post(f"{route.url}/v1/chat/completions", json=body, headers=route.headers)
     elapsed = time.perf_counter() - started
-    reply.raise_for_status()
+    if reply.status_code != 200:  # e.g. 503 audit_unavailable: counted, not timed
+        return elapsed, -1, 0, 0
     data = reply.json()
     if route.direct:
         spec = (data.get("metrics") or {}).get("speculative_decoding") or {}
@@ -106,12 +109,15 @@ async def level(route: Route, prompts: list[list[dict[str, str]]], concurrency: 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - started
+    errors = sum(1 for r in results if r[1] < 0)
+    results = [r for r in results if r[1] >= 0] or [(wall, 0, 0, 0)]
     latencies = [r[0] for r in results]
     drafted = sum(r[2] for r in results)
     return Row(
         route=route.name,
         concurrency=concurrency,
         requests=len(results),
+        errors=errors,
         tokens_per_s=round(sum(r[1] for r in results) / wall, 2),
         p50_ms=round(statistics.median(latencies) * 1e3, 1),
         p99_ms=round(percentile(latencies, 99) * 1e3, 1),
@@ -149,6 +155,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests-per-level", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--database-url", default=None, help="Audit store of both gateways (default: SQLite)."
+    )
     args = parser.parse_args()
     from engine.demo.paths import default_demo_dir
 
@@ -160,7 +169,7 @@ def main() -> None:
         common: dict[str, Any] = {"log_format": "console", "log_level": "warning"}
         local = Settings(target=target, speculative_config=json.dumps(NGRAM),
                          served_model_name=DEMO_MODEL_NAME, dtype="float32", device="cpu",
-                         database_url=f"sqlite:///{scratch}/local.db",
+                         database_url=args.database_url or f"sqlite:///{scratch}/local.db",
                          data_dir=scratch / "local", **common)  # fmt: skip
         remote = Settings(
             backend={
@@ -170,7 +179,7 @@ def main() -> None:
                     {"url": ngram.url, "model_version": version, "speculative_config": NGRAM},
                 ],
             },
-            database_url=f"sqlite:///{scratch}/vllm.db",
+            database_url=args.database_url or f"sqlite:///{scratch}/vllm.db",
             data_dir=scratch / "vllm",
             **common,
         )
