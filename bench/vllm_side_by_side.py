@@ -2,7 +2,6 @@
 
     python -m bench.vllm_side_by_side [--target DIR] [--concurrency 1 4 16]
                                       [--max-tokens 32] [--requests-per-level 16] [--json FILE]
-                                      [--database-url URL]
 
 Starts two vLLM servers on the demo target in float32 (one plain, one with n-gram
 speculation; vLLM's CPU build has no draft-model or EAGLE path worth timing on two cores,
@@ -155,9 +154,6 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests-per-level", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument(
-        "--database-url", default=None, help="Audit store of both gateways (default: SQLite)."
-    )
     args = parser.parse_args()
     from engine.demo.paths import default_demo_dir
 
@@ -169,7 +165,7 @@ def main() -> None:
         common: dict[str, Any] = {"log_format": "console", "log_level": "warning"}
         local = Settings(target=target, speculative_config=json.dumps(NGRAM),
                          served_model_name=DEMO_MODEL_NAME, dtype="float32", device="cpu",
-                         database_url=args.database_url or f"sqlite:///{scratch}/local.db",
+                         database_url=f"sqlite:///{scratch}/local.db",
                          data_dir=scratch / "local", **common)  # fmt: skip
         remote = Settings(
             backend={
@@ -179,7 +175,7 @@ def main() -> None:
                     {"url": ngram.url, "model_version": version, "speculative_config": NGRAM},
                 ],
             },
-            database_url=args.database_url or f"sqlite:///{scratch}/vllm.db",
+            database_url=f"sqlite:///{scratch}/vllm.db",
             data_dir=scratch / "vllm",
             **common,
         )
