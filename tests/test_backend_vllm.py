@@ -1,6 +1,6 @@
 """The gateway in front of real vLLM servers (the CPU build from ``make vllm``).
 
-One session of two servers on the same tiny float32 Llama: a plain one and one started with
+One start of two servers on the same tiny float32 Llama: a plain one and one started with
 n-gram speculation (the CPU build supports it). Greedy answers through Specgate must equal
 vLLM's own answers token for token, the audit records carry the version and speculative
 configuration the operator gave, fallback moves requests to the plain pool and back, and a
@@ -42,7 +42,7 @@ class Servers:
         self.model, self.plain, self.speculative = model, plain, speculative
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # the only module that needs them: stopped once it is done
 def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     root = tmp_path_factory.mktemp("vllm")
     # head_dim 32 (128 / 4): vLLM's CPU attention kernels take no head size below that.
