@@ -318,9 +318,9 @@ class VllmBackend:
         try:
             response = self._sync.post(f"{replica.url}{path}", json=body)
         except httpx.HTTPError as error:
-            self._loop.call_soon_threadsafe(
-                self._emit, replica.take_out(f"{path} failed: {type(error).__name__}: {error}")
-            )
+            reason = f"{path} failed: {type(error).__name__}: {error}"
+            # Replica state changes on the backend's loop only.
+            self._loop.call_soon_threadsafe(lambda: self._emit(replica.take_out(reason)))
             raise BackendUnavailableError(f"vLLM replica {replica.url} did not answer") from None
         if response.status_code == 400:
             message = _error_message(response)
