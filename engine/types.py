@@ -31,6 +31,10 @@ class Constraint:
 
     kind: ConstraintKind
     spec: str
+# Where a request's acceptance figures come from: the engine that ran it, the remote
+# server's own per-request figures, or the server's counters over an interval
+# (gateway.backends.vllm_acceptance).
+AcceptanceSource = Literal["engine", "per_request", "interval"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,8 @@ class GenerationStats:
     total_time_s: float = 0.0
     # Tokens proposed at each target pass (0: none), what a replay needs to draw the same.
     proposal_lengths: list[int] = field(default_factory=list)
+    acceptance_source: AcceptanceSource = "engine"
+    replica: str | None = None  # the remote server that generated it; None: in-process
 
     @property
     def acceptance_rate(self) -> float:
@@ -156,6 +162,8 @@ class GenerationStats:
             "time_to_first_token_s": self.time_to_first_token_s,
             "total_time_s": self.total_time_s,
             "tokens_per_second": self.tokens_per_second,
+            "acceptance_source": self.acceptance_source,
+            "replica": self.replica,
         }
 
 
@@ -261,6 +269,10 @@ class QueueFullError(EngineError):
 
 class EngineClosedError(EngineError):
     """The engine is shutting down and takes no more requests."""
+
+
+class BackendUnavailableError(EngineError):
+    """No replica of a remote backend can take the request now (the gateway answers 503)."""
 
 
 class IncompatibleDraftError(EngineError):

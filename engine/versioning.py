@@ -73,3 +73,32 @@ def model_version(model_dir: Path) -> str:
         except OSError:
             continue
     return version
+
+
+MANIFEST_NAME = ".specgate-manifest.json"
+
+
+def write_manifest(model_dir: Path) -> Path:
+    """Write ``MANIFEST_NAME`` beside the weights: the model's version (the hash
+    ``model_version`` computes, which the built-in engine records) for a gateway that serves
+    the model through a remote server and cannot read or hash the weights itself. The name
+    starts with a dot, so the manifest is not part of the hash it records."""
+    manifest = model_dir / MANIFEST_NAME
+    manifest.write_text(json.dumps({"model_version": model_version(model_dir)}, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(model_dir: Path) -> str:
+    """The version a manifest records; ``ValueError`` naming the file when it is missing or
+    malformed (the gateway then refuses to start: an unversioned model is not audited)."""
+    manifest = model_dir / MANIFEST_NAME
+    try:
+        version = json.loads(manifest.read_text())["model_version"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{manifest}: no readable model manifest ({error}); "
+            f"write one with `specgate models hash {model_dir}`"
+        ) from None
+    if not isinstance(version, str) or not version.startswith("sha256:"):
+        raise ValueError(f"{manifest}: model_version must be 'sha256:<hex>'")
+    return version

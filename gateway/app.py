@@ -24,7 +24,7 @@ from gateway.admission import Admission
 from gateway.audit.log import AuditUnavailableError, WitnessPolicy
 from gateway.audit.mac import EventMac
 from gateway.audit.signing import CheckpointSigner, load_public_key
-from gateway.backends.base import GenerationBackend
+from gateway.backends.base import GenerationBackend, ReplicatedBackend
 from gateway.backends.local import LocalBackend
 from gateway.body_limit import BodySizeLimitMiddleware
 from gateway.db import DatabaseTimeouts, make_db_engine, normalise_url, upgrade_database
@@ -38,7 +38,12 @@ from gateway.observability.telemetry import Telemetry
 from gateway.offload import Offload
 from gateway.privacy.kek import KeyEncryptionKey
 from gateway.privacy.store import PrivacyStore
-from gateway.recording import append_durably, fallback_recorder, startup_payload
+from gateway.recording import (
+    append_durably,
+    fallback_recorder,
+    replica_recorder,
+    startup_payload,
+)
 from gateway.recovery import instance_id, mark_interrupted
 from gateway.refusals import RefusalLog
 from gateway.routes import admin, audit, completions, health, models
@@ -100,8 +105,19 @@ def load_local_backend(settings: Settings, on_fallback: FallbackListener) -> Gen
     return LocalBackend.load(config, on_fallback=on_fallback)
 
 
+def load_configured_backend(settings: Settings, on_fallback: FallbackListener) -> GenerationBackend:
+    """The backend the settings' ``backend.kind`` names."""
+    if settings.backend.kind == "vllm":
+        from gateway.backends.vllm import load_vllm_backend
+
+        return load_vllm_backend(settings, on_fallback)
+    return load_local_backend(settings, on_fallback)
+
+
 def start_services(
-    settings: Settings, telemetry: Telemetry, load_backend: BackendLoader = load_local_backend
+    settings: Settings,
+    telemetry: Telemetry,
+    load_backend: BackendLoader = load_configured_backend,
 ) -> Services:
     """Migrate, open the audit log, commit what the last run spooled, mark what it left
     unanswered, load the models and record the `startup` event."""
@@ -131,6 +147,9 @@ def start_services(
         log.warning("requests_interrupted", count=interrupted)
     backend = load_backend(settings, telemetry.fallback_listener(fallback_recorder(spool)))
     telemetry.watch_backend(backend)
+    if isinstance(backend, ReplicatedBackend):
+        telemetry.metrics.watch_replicas(backend.replica_states)
+        backend.watch_replicas(telemetry.replica_listener(replica_recorder(spool)))
     try:
         _bootstrap_admin(settings, keys)
         audit_log.append(
@@ -218,7 +237,9 @@ async def _expire_content(services: Services, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
 
 
-def create_app(settings: Settings, load_backend: BackendLoader = load_local_backend) -> FastAPI:
+def create_app(
+    settings: Settings, load_backend: BackendLoader = load_configured_backend
+) -> FastAPI:
     # The egress guard runs first: a refused telemetry endpoint stops startup here.
     telemetry = Telemetry.start(settings)
 

@@ -39,15 +39,45 @@ def serve(
         bool | None,
         typer.Option("--migrate/--no-migrate", help="Run migrations on PostgreSQL at startup."),
     ] = None,
+    backend: Annotated[
+        str | None, typer.Option(help="local (built-in engine, default) or vllm.")
+    ] = None,
+    vllm_url: Annotated[
+        list[str] | None,
+        typer.Option(help="A vLLM server without speculation (plain pool); repeatable."),
+    ] = None,
+    vllm_speculative_url: Annotated[
+        list[str] | None,
+        typer.Option(help="A vLLM server started with --vllm-speculative-config; repeatable."),
+    ] = None,
+    vllm_speculative_config: Annotated[
+        str | None, typer.Option(help="The speculative servers' --speculative-config JSON.")
+    ] = None,
+    vllm_model_version: Annotated[
+        str | None, typer.Option(help="sha256:... of the weights the vLLM servers serve.")
+    ] = None,
+    vllm_model_dir: Annotated[
+        Path | None,
+        typer.Option(help="Model directory holding `specgate models hash DIR`'s manifest."),
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="Port to bind (default 8000).")] = None,
 ) -> None:
     """Serve the OpenAI-compatible API with auditing."""
-    from gateway.settings import ConfigError, engine_config, load_settings
+    from gateway.settings import ConfigError, engine_config, load_settings, vllm_backend_from_flags
 
     try:
+        backend_block = vllm_backend_from_flags(
+            backend,
+            plain_urls=vllm_url or [],
+            speculative_urls=vllm_speculative_url or [],
+            speculative_config=vllm_speculative_config,
+            model_version=vllm_model_version,
+            model_dir=vllm_model_dir,
+        )
         settings = load_settings(
             config,
+            backend=backend_block,
             target=target,
             draft=draft,
             method=method,
@@ -61,7 +91,13 @@ def serve(
             host=host,
             port=port,
         )
-        engine_config(settings)
+        if backend == "vllm" and settings.backend.kind != "vllm":
+            raise ConfigError(
+                "backend: --backend vllm needs --vllm-url/--vllm-speculative-url or a "
+                "backend block with vllm_servers (YAML or SPECGATE_BACKEND)"
+            )
+        if settings.backend.kind == "local":
+            engine_config(settings)
     except ConfigError as error:
         typer.echo(f"specgate serve: {error}", err=True)
         raise typer.Exit(2) from None

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.types import (
+    BackendUnavailableError,
     EngineClosedError,
     InvalidRequestError,
     MethodUnavailableError,
@@ -120,6 +121,8 @@ def from_engine_error(error: Exception) -> APIError:
         return APIError(400, str(error), param=error.param)
     if isinstance(error, QueueFullError):
         return queue_full()
+    if isinstance(error, BackendUnavailableError):
+        return APIError(503, str(error), type="service_unavailable", code="backend_unavailable")
     if isinstance(error, EngineClosedError):
         return APIError(
             503, "The engine is shutting down.", type="service_unavailable", code="engine_closed"

@@ -196,6 +196,9 @@ def combined_stats(all_stats: Sequence[GenerationStats]) -> GenerationStats | No
         total.num_target_passes += stats.num_target_passes
         total.fallback_active = total.fallback_active or stats.fallback_active
         total.total_time_s = max(total.total_time_s, stats.total_time_s)
+        if stats.acceptance_source != "engine":
+            total.acceptance_source = stats.acceptance_source
+        total.replica = total.replica or stats.replica
     total.time_to_first_token_s = min(stats.time_to_first_token_s for stats in all_stats)
     return total
 
@@ -239,7 +242,9 @@ def completion_payload(
             "acceptance_rate": stats.acceptance_rate,
             "mean_acceptance_length": stats.mean_acceptance_length,
             "num_target_passes": stats.num_target_passes,
+            "acceptance_source": stats.acceptance_source,
         }
+        payload["replica"] = stats.replica
         payload["fallback_active"] = stats.fallback_active
         payload["time_to_first_token_s"] = stats.time_to_first_token_s
     return payload
@@ -258,5 +263,19 @@ def fallback_recorder(spool: EventSpool) -> Callable[[FallbackEvent], None]:
             spool.enqueue("fallback", None, event.as_dict())
         except Exception:
             log.exception("fallback_event_not_recorded", method=event.method, action=event.action)
+
+    return record
+
+
+def replica_recorder(spool: EventSpool) -> Callable[[Any], None]:
+    """A remote backend's replica listener: a `backend_replica` event per replica taken out
+    or put back, through the durable spool like `fallback` events (it runs on the backend's
+    thread)."""
+
+    def record(event: Any) -> None:
+        try:
+            spool.enqueue("backend_replica", None, event.as_dict())
+        except Exception:
+            log.exception("replica_event_not_recorded", url=event.url, action=event.action)
 
     return record

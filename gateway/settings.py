@@ -6,12 +6,13 @@ operator can move a setting between them without translating it.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -40,8 +41,65 @@ def _default_log_format() -> Literal["json", "console"]:
     return "console" if sys.stdout.isatty() else "json"
 
 
+VllmPool = Literal["speculative", "plain"]
+
+
+class VllmServerSettings(BaseModel):
+    """One vLLM OpenAI-compatible server the gateway forwards to.
+
+    The gateway cannot hash remote weights, so the operator names the model version:
+    ``model_version`` directly, or ``model_dir``, a directory holding the manifest that
+    ``specgate models hash DIR`` wrote beside the weights. ``speculative_config`` is what the
+    server was started with, in vLLM's ``--speculative-config`` terms; ``pool`` defaults to
+    ``speculative`` when it is set, else ``plain`` (requests with ``speculative: false``, and
+    every request while speculation is switched off, go to the plain pool).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    served_model_name: str | None = Field(
+        default=None, description="None: the one model the server lists at /v1/models."
+    )
+    model_version: str | None = None
+    model_dir: Path | None = None
+    speculative_config: dict[str, Any] | None = None
+    pool: VllmPool | None = None
+
+    @property
+    def resolved_pool(self) -> VllmPool:
+        if self.pool is not None:
+            return self.pool
+        return "speculative" if self.speculative_config else "plain"
+
+
+class BackendSettings(BaseModel):
+    """What generates tokens: the built-in engine (``local``: the engine fields of
+    :class:`Settings` apply) or vLLM servers (``vllm``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["local", "vllm"] = "local"
+    vllm_servers: list[VllmServerSettings] = Field(default_factory=list)
+    health_interval_s: float = Field(
+        default=2.0, gt=0, description="Active health check of each vLLM replica."
+    )
+    retry_interval_s: float = Field(
+        default=5.0, gt=0, description="A replica taken out is checked again after this."
+    )
+    connect_timeout_s: float = Field(default=3.0, gt=0)
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="Longest wait for the next piece of a vLLM answer."
+    )
+    metrics_interval_s: float = Field(
+        default=1.0, gt=0, description="Scrape of vllm:spec_decode_* where no per-request figures."
+    )
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECGATE_", extra="forbid")
+
+    backend: BackendSettings = Field(default_factory=BackendSettings)
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -242,6 +300,33 @@ class Settings(BaseSettings):
             speculative_config_from_vllm(value)
         return value
 
+    @field_validator("backend")
+    @classmethod
+    def _vllm_servers_given(cls, value: BackendSettings) -> BackendSettings:
+        if value.kind == "vllm":
+            if not value.vllm_servers:
+                raise ValueError("kind 'vllm' needs at least one entry in vllm_servers")
+            for index, server in enumerate(value.vllm_servers):
+                if server.model_version is None and server.model_dir is None:
+                    raise ValueError(
+                        f"vllm_servers[{index}]: give model_version, or model_dir with the "
+                        "manifest `specgate models hash DIR` writes"
+                    )
+                if server.resolved_pool == "speculative" and not server.speculative_config:
+                    raise ValueError(
+                        f"vllm_servers[{index}]: pool 'speculative' needs speculative_config"
+                    )
+        return value
+
+    def outbound_backend_urls(self) -> dict[str, str]:
+        """The URLs the backend connects to, for the egress guard (``source -> url``)."""
+        if self.backend.kind != "vllm":
+            return {}
+        return {
+            f"backend.vllm_servers[{index}].url": server.url
+            for index, server in enumerate(self.backend.vllm_servers)
+        }
+
     @field_validator("database_url")
     @classmethod
     def _known_database(cls, value: str) -> str:
@@ -268,6 +353,38 @@ class Settings(BaseSettings):
         snapshot["database_url"] = make_url(self.database_url).render_as_string(hide_password=True)
         snapshot["bootstrap_admin_key_set"] = self.bootstrap_admin_key is not None
         return snapshot
+
+
+def vllm_backend_from_flags(
+    kind: str | None,
+    *,
+    plain_urls: list[str],
+    speculative_urls: list[str],
+    speculative_config: str | None,
+    model_version: str | None,
+    model_dir: Path | None,
+) -> dict[str, Any] | None:
+    """The ``backend`` block ``specgate serve``'s flags describe; None when they name no
+    servers (the YAML file's or the variables' block stands; ``--backend local`` aside)."""
+    if not plain_urls and not speculative_urls:
+        return {"kind": kind} if kind not in (None, "vllm") else None
+    if kind not in (None, "vllm"):
+        raise ConfigError(f"backend: --vllm-url does not go with --backend {kind}")
+    spec: dict[str, Any] | None = None
+    if speculative_urls:
+        if speculative_config is None:
+            raise ConfigError("backend: --vllm-speculative-url needs --vllm-speculative-config")
+        try:
+            spec = json.loads(speculative_config)
+        except ValueError as error:
+            raise ConfigError(f"backend: --vllm-speculative-config is not JSON: {error}") from None
+    common: dict[str, Any] = {"model_version": model_version, "model_dir": model_dir}
+    servers: list[dict[str, Any]] = [{"url": url, "pool": "plain", **common} for url in plain_urls]
+    servers += [
+        {"url": url, "pool": "speculative", "speculative_config": spec, **common}
+        for url in speculative_urls
+    ]
+    return {"kind": "vllm", "vllm_servers": servers}
 
 
 def _describe(error: ValidationError) -> str:

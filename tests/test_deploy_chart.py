@@ -662,3 +662,97 @@ def test_migrations_run_as_the_owner_and_the_gateway_as_the_writer(
     spec = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]
     (volume,) = (v for v in spec["volumes"] if v["name"] == "audit-mac-key")
     assert volume["secret"]["secretName"] == "specgate-audit-mac-key"
+
+
+# --- vLLM as the engine ----------------------------------------------------------------------
+
+VLLM_VERSION = "sha256:" + "ab" * 32
+NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 3}
+VLLM_EXAMPLE: dict[str, Any] = {
+    "vllm": {
+        "enabled": True,
+        "example": {
+            "enabled": True,
+            "modelVersion": VLLM_VERSION,
+            "speculativeConfig": NGRAM_CONFIG,
+        },
+    },
+    "models": {"volume": {"csi": {"driver": "models.csi.example", "readOnly": True}}},
+}
+VLLM_EXISTING: dict[str, Any] = {
+    "vllm": {
+        "enabled": True,
+        "servers": [
+            {"url": "http://vllm.inference.svc:8000", "model_version": VLLM_VERSION},
+            {
+                "url": "http://vllm-ngram.inference.svc:8000",
+                "model_version": VLLM_VERSION,
+                "speculative_config": NGRAM_CONFIG,
+            },
+        ],
+        "egress": [{"namespaceSelector": {"matchLabels": {"name": "inference"}}}],
+    }
+}
+
+
+def backend_of(docs: list[Manifest]) -> Manifest:
+    value = env_of(container(docs))["SPECGATE_BACKEND"]["value"]
+    loaded: Manifest = load_settings(None, backend=yaml.safe_load(value)).backend.model_dump()
+    return loaded
+
+
+def test_an_existing_vllm_deployment_is_named_and_reachable(chart: helm.Chart) -> None:
+    docs = render(chart, VLLM_EXISTING)
+    backend = backend_of(docs)
+    assert backend["kind"] == "vllm"
+    assert [(s["url"], s["pool"]) for s in backend["vllm_servers"]] == [
+        ("http://vllm.inference.svc:8000", None),
+        ("http://vllm-ngram.inference.svc:8000", None),
+    ]
+    assert backend["vllm_servers"][1]["speculative_config"] == NGRAM_CONFIG
+    policy = find(docs, "NetworkPolicy", FULLNAME)["spec"]
+    (vllm_rule,) = (r for r in policy["egress"] if egress_ports(r) == {(8000, "TCP")})
+    assert vllm_rule["to"] == VLLM_EXISTING["vllm"]["egress"]
+    # No example servers and no demo conversion: the gateway only forwards.
+    assert not [d for d in docs if d["metadata"]["name"].startswith(f"{FULLNAME}-vllm")]
+    gateway = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]
+    assert "initContainers" not in gateway
+
+
+def test_the_example_vllm_deployment_uses_vllms_image_and_is_restricted(
+    chart: helm.Chart,
+) -> None:
+    docs = render(chart, VLLM_EXAMPLE)
+    for document in docs:
+        kubernetes_validate.validate(document, KUBE_VERSION, strict=True)
+    backend = backend_of(docs)
+    assert [(s["url"], s["pool"], s["model_version"]) for s in backend["vllm_servers"]] == [
+        (f"http://{FULLNAME}-vllm-plain.{NAMESPACE}.svc:8000", "plain", VLLM_VERSION),
+        (f"http://{FULLNAME}-vllm-speculative.{NAMESPACE}.svc:8000", "speculative", VLLM_VERSION),
+    ]
+    for pool in ("plain", "speculative"):
+        deployment = find(docs, "Deployment", f"{FULLNAME}-vllm-{pool}")
+        spec = deployment["spec"]["template"]["spec"]
+        (server,) = spec["containers"]
+        assert server["image"].startswith("vllm/vllm-openai:")
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert server["securityContext"]["allowPrivilegeEscalation"] is False
+        assert server["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert ("--speculative-config" in server["args"]) == (pool == "speculative")
+        service = find(docs, "Service", f"{FULLNAME}-vllm-{pool}")
+        assert service["spec"]["selector"]["specgate.io/vllm-pool"] == pool
+    spec_args = find(docs, "Deployment", f"{FULLNAME}-vllm-speculative")["spec"]["template"][
+        "spec"
+    ]["containers"][0]["args"]
+    config = spec_args[spec_args.index("--speculative-config") + 1]
+    assert yaml.safe_load(config) == NGRAM_CONFIG
+    policy = find(docs, "NetworkPolicy", FULLNAME)["spec"]
+    (vllm_rule,) = (r for r in policy["egress"] if egress_ports(r) == {(8000, "TCP")})
+    assert vllm_rule["to"] == [pods_of("vllm")]
+
+
+def test_a_vllm_server_outside_the_cluster_is_refused_by_the_schema(chart: helm.Chart) -> None:
+    values = copy.deepcopy(VLLM_EXISTING)
+    values["vllm"]["servers"][0]["url"] = "https://api.example.com"
+    with pytest.raises(Exception, match=r"(?i)schema|pattern|does not match"):
+        render(chart, values)

@@ -1,4 +1,4 @@
-"""``specgate models``: build the demo target and its draft."""
+"""``specgate models``: build the demo target and its draft; hash a checkpoint."""
 
 from __future__ import annotations
 
@@ -56,3 +56,18 @@ def build_demo_command(
                 f"{manifest['greedy_agreement']}, head over {manifest['head_vocabulary']} "
                 f"tokens, {manifest['seconds']}"
             )
+
+
+@models_app.command("hash")
+def hash_command(
+    model_dir: Annotated[Path, typer.Argument(help="A checkpoint directory.")],
+) -> None:
+    """Hash every file of DIR (the version the built-in engine records) and write it to
+    DIR/.specgate-manifest.json, which a gateway serving DIR through vLLM reads."""
+    from engine.versioning import read_manifest, write_manifest
+
+    if not model_dir.is_dir():
+        typer.echo(f"specgate models hash: {model_dir} is not a directory", err=True)
+        raise typer.Exit(2)
+    manifest = write_manifest(model_dir)
+    typer.echo(f"{read_manifest(model_dir)}  {manifest}")

@@ -8,9 +8,9 @@ model code in it, so a remote backend can speak it too.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from engine.types import (
     GenerationRequest,
@@ -99,3 +99,16 @@ class GenerationBackend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ReplicatedBackend(Protocol):
+    """A backend spread over remote replicas (vLLM): the app audits and counts each replica
+    taken out or put back (``gateway.backends.vllm_replicas.ReplicaEvent``, whose
+    ``as_dict`` is the `backend_replica` event) and exposes their state in the metrics."""
+
+    def watch_replicas(self, listener: Callable[[Any], None]) -> None: ...
+
+    def replica_states(self) -> list[tuple[str, Any, bool, int]]:
+        """(url, pool, in rotation, requests in flight) per replica."""
+        ...

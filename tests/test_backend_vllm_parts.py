@@ -1,0 +1,236 @@
+"""The vLLM backend's parts that need no server: settings, egress, manifest, wire parsing,
+interval attribution and replica routing. The backend itself is tested against real vLLM
+servers in test_backend_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from engine.versioning import MANIFEST_NAME, model_version, read_manifest, write_manifest
+from gateway.backends.vllm_acceptance import IntervalAttribution, split
+from gateway.backends.vllm_replicas import Replica, Replicas
+from gateway.backends.vllm_wire import WireError, parse_event, spec_counters
+from gateway.cli import app as cli
+from gateway.observability.egress import EgressRefusedError
+from gateway.observability.telemetry import check_egress
+from gateway.settings import ConfigError, Settings, load_settings, vllm_backend_from_flags
+
+VERSION = "sha256:" + "cd" * 32
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def vllm_block(*urls: str) -> dict[str, object]:
+    return {"kind": "vllm", "vllm_servers": [{"url": u, "model_version": VERSION} for u in urls]}
+
+
+# --- settings ------------------------------------------------------------------------------
+
+
+def test_backend_block_from_yaml_and_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "backend:\n  kind: vllm\n  vllm_servers:\n"
+        "    - url: http://vllm.llm.svc:8000\n      model_version: " + VERSION + "\n"
+        "    - url: http://vllm-ngram.llm.svc:8000\n      model_version: " + VERSION + "\n"
+        "      speculative_config: {method: ngram, num_speculative_tokens: 3}\n"
+    )
+    loaded = load_settings(config)
+    assert [s.resolved_pool for s in loaded.backend.vllm_servers] == ["plain", "speculative"]
+    monkeypatch.setenv("SPECGATE_BACKEND", json.dumps(vllm_block("http://10.0.0.5:8000")))
+    from_env = load_settings(config)  # the variable wins over the file
+    assert [s.url for s in from_env.backend.vllm_servers] == ["http://10.0.0.5:8000"]
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ({"kind": "vllm"}, "at least one"),
+        ({"kind": "vllm", "vllm_servers": [{"url": "http://a.svc:8000"}]}, "model_version"),
+        (
+            {
+                "kind": "vllm",
+                "vllm_servers": [
+                    {"url": "http://a.svc:8000", "model_version": VERSION, "pool": "speculative"}
+                ],
+            },
+            "speculative_config",
+        ),
+        ({"kind": "vllm", "vllm_servers": [{"url": "http://a", "versio": 1}]}, "versio"),
+    ],
+)
+def test_an_unusable_backend_block_is_refused_naming_the_field(
+    block: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message) as error:
+        load_settings(None, backend=block)
+    assert "backend" in str(error.value)
+
+
+def test_serve_flags_make_the_pools() -> None:
+    block = vllm_backend_from_flags(
+        None,
+        plain_urls=["http://a.svc:8000"],
+        speculative_urls=["http://b.svc:8000", "http://c.svc:8000"],
+        speculative_config=json.dumps(NGRAM),
+        model_version=VERSION,
+        model_dir=None,
+    )
+    settings = load_settings(None, backend=block)
+    servers = settings.backend.vllm_servers
+    assert [(s.url, s.resolved_pool, s.speculative_config) for s in servers] == [
+        ("http://a.svc:8000", "plain", None),
+        ("http://b.svc:8000", "speculative", NGRAM),
+        ("http://c.svc:8000", "speculative", NGRAM),
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match="--vllm-speculative-config"):
+        vllm_backend_from_flags(
+            "vllm", plain_urls=[], speculative_urls=["http://b.svc:8000"],
+            speculative_config=None, model_version=VERSION, model_dir=None,
+        )  # fmt: skip
+
+
+def test_serve_refuses_vllm_without_servers(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        cli, ["serve", "--backend", "vllm", "--database-url", f"sqlite:///{tmp_path}/a.db"]
+    )
+    assert result.exit_code == 2
+    assert "--backend vllm needs" in result.output
+
+
+def test_the_egress_guard_covers_vllm_urls() -> None:
+    inside = Settings(backend=vllm_block("http://vllm.llm.svc:8000", "http://10.1.2.3:8000"))
+    allowed = check_egress(inside, {})
+    assert [a.source for a in allowed] == [
+        "backend.vllm_servers[0].url",
+        "backend.vllm_servers[1].url",
+    ]
+    outside = Settings(backend=vllm_block("http://vllm.llm.svc:8000", "https://api.example.com"))
+    with pytest.raises(EgressRefusedError, match=r"backend.vllm_servers\[1\].url"):
+        check_egress(outside, {})
+
+
+# --- manifest ------------------------------------------------------------------------------
+
+
+def test_models_hash_writes_the_version_the_engine_records(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    before = model_version(model)
+    result = CliRunner().invoke(cli, ["models", "hash", str(model)])
+    assert result.exit_code == 0, result.output
+    assert (model / MANIFEST_NAME).is_file()
+    assert read_manifest(model) == before == model_version(model)  # not part of its own hash
+    (model / "model.safetensors").write_bytes(b"other weights")
+    write_manifest(model)
+    assert read_manifest(model) != before
+
+
+def test_a_missing_manifest_names_the_command(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="specgate models hash"):
+        read_manifest(tmp_path)
+
+
+# --- wire ----------------------------------------------------------------------------------
+
+
+def test_stream_pieces_and_per_request_figures() -> None:
+    piece = parse_event(
+        'data: {"choices":[{"index":0,"text":"ab","token_ids":[5,6],"finish_reason":null}]}'
+    )
+    assert piece is not None and (piece.text, piece.token_ids) == ("ab", (5, 6))
+    final = parse_event(
+        'data: {"choices":[],"usage":{"completion_tokens":2},"metrics":{"speculative_decoding":'
+        '{"num_spec_steps":1,"num_draft_tokens":3,"num_accepted_draft_tokens":1}}}'
+    )
+    assert final is not None and final.speculative == {
+        "num_spec_steps": 1, "num_draft_tokens": 3, "num_accepted_draft_tokens": 1,
+    }  # fmt: skip
+    assert parse_event("data: [DONE]") is None
+    with pytest.raises(WireError):
+        parse_event('data: {"error": {"message": "boom"}}')
+
+
+def test_prometheus_counters_are_read_by_name() -> None:
+    exposition = "\n".join(
+        [
+            "# TYPE vllm:spec_decode_num_drafts counter",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 3.0',
+            'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e+09',
+            'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 9.0',
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 4.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 3.0',
+        ]
+    )
+    assert spec_counters(exposition) == {
+        "vllm:spec_decode_num_drafts": 3.0,
+        "vllm:spec_decode_num_draft_tokens": 9.0,
+        "vllm:spec_decode_num_accepted_tokens": 4.0,
+    }
+
+
+# --- interval attribution ------------------------------------------------------------------
+
+
+@given(st.integers(0, 10_000), st.lists(st.integers(0, 500), min_size=1, max_size=20))
+def test_split_shares_add_up_and_follow_the_weights(total: int, weights: list[int]) -> None:
+    shares = split(total, weights)
+    assert sum(shares) == total and all(s >= 0 for s in shares)
+    if sum(weights):
+        for share, weight in zip(shares, weights, strict=True):
+            assert abs(share - total * weight / sum(weights)) < 1 + 1e-9
+
+
+def test_an_interval_increase_goes_to_that_interval_requests() -> None:
+    async def run() -> list[tuple[int, int, int]]:
+        attribution = IntervalAttribution()
+        attribution.settle({"vllm:spec_decode_num_draft_tokens": 100.0})  # the baseline
+        first, second = attribution.wait(30), attribution.wait(10)
+        attribution.settle(
+            {
+                "vllm:spec_decode_num_drafts": 8.0,
+                "vllm:spec_decode_num_draft_tokens": 124.0,
+                "vllm:spec_decode_num_accepted_tokens": 12.0,
+            }
+        )
+        later = attribution.wait(5)
+        attribution.settle(None)  # a failed scrape: zeros, not a guess
+        return [
+            (f.num_drafts, f.num_draft_tokens, f.num_accepted_tokens)
+            for f in (await first, await second, await later)
+        ]
+
+    assert asyncio.run(run()) == [(6, 18, 9), (2, 6, 3), (0, 0, 0)]
+
+
+# --- routing -------------------------------------------------------------------------------
+
+
+def test_least_outstanding_requests_and_healthy_replicas_only() -> None:
+    a, b, c = (Replica(f"http://{n}.svc", "plain", None) for n in "abc")
+    spec = Replica("http://s.svc", "speculative", NGRAM)
+    replicas = Replicas([a, b, c, spec])
+    a.outstanding, b.outstanding, c.outstanding = 2, 1, 1
+    assert {replicas.pick("plain").url for _ in range(4)} == {b.url, c.url}  # type: ignore[union-attr]
+    event = b.take_out("health check failed")
+    assert event is not None and event.action == "removed"
+    assert b.take_out("again") is None  # one event per change
+    assert replicas.pick("plain") is c
+    assert replicas.pick("plain", exclude=[c]) is a
+    assert replicas.pick("speculative") is spec
+    c.take_out("down")
+    a.take_out("down")
+    assert replicas.pick("plain") is None
+    restored = b.put_back()
+    assert restored is not None and restored.action == "restored"
+    assert replicas.pick("plain") is b
