@@ -68,7 +68,9 @@ class BatchedRunner:
             mask[b, 0, :n, start : start + n] = ancestor_mask(parents)
             mask[b, 0, n:, start] = True  # padding rows: see row 0, never read
         write = torch.tensor(starts)[:, None] + torch.arange(rows)[None, :]
-        self.cache.batch = SlotBatch([feed.slot for feed in feeds], write.to(self.device), kv_length)
+        self.cache.batch = SlotBatch(
+            [feed.slot for feed in feeds], write.to(self.device), kv_length
+        )
         attention = mask.to(self.device)
         if not self._bool_mask:
             floor = torch.finfo(self.model.dtype).min
