@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from opentelemetry import trace
 
-from engine.adaptive import PassCosts
+from engine.adaptive import PassCosts, expected_tokens
 from engine.batched_runner import BatchedRunner, Feed
 from engine.decoding import Speculation
 from engine.output import OutputAssembler
@@ -65,6 +65,21 @@ class BatchCosts(PassCosts):
 
     def record_proposer(self, method: str, seconds: float) -> None:
         self.costs.record_proposer(method, seconds)
+
+
+def best_length(alpha: float, costs: PassCosts, method: str, max_k: int) -> int:
+    """The k that maximises tokens per second at a steady acceptance ``alpha`` (0: plain)."""
+    plain = costs.target(1)
+    if not plain:
+        return max_k
+    best_k, best_rate = 0, 1.0 / plain
+    for k in range(1, max_k + 1):
+        rate = expected_tokens(alpha, k) / (
+            k * costs.proposer(method) + (costs.target(k + 1) or plain)
+        )
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
 
 
 @dataclass

@@ -41,7 +41,14 @@ from engine.output import OutputAssembler
 from engine.proposers import DraftModelProposer, NgramProposer, Proposer
 from engine.proposers.translating import TranslatingDraftProposer
 from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
-from engine.scheduler import ActiveSequence, BatchLimits, BatchScheduler, annotate
+from engine.scheduler import (
+    ActiveSequence,
+    BatchCosts,
+    BatchLimits,
+    BatchScheduler,
+    annotate,
+    best_length,
+)
 from engine.types import (
     EngineClosedError,
     FallbackEvent,
@@ -304,6 +311,33 @@ class Engine:
     def closed(self) -> bool:
         """Shut down, or its worker thread is gone: it answers no more requests."""
         return self._closed or not self._worker.is_alive()
+
+    @property
+    def batching_mode(self) -> str:
+        """How requests share the target, for the startup event."""
+        if self.batching:
+            return f"continuous (max_num_seqs={self.config.max_num_seqs})"
+        return "one request at a time (sliding-window, chunked or recurrent layers)"
+
+    def speculation_crossover(self, method: Method) -> float:
+        """The smallest batch size at which a sequence at the method's current acceptance
+        gets k = 0 from the pass costs measured at that batch size; inf where speculating
+        pays up to ``max_num_seqs``."""
+        if method not in self._proposers:
+            return 0.0
+        alpha = self._monitor.prior(method)
+        for batch in range(1, self.config.max_num_seqs + 1):
+            if (
+                best_length(
+                    alpha,
+                    BatchCosts(self._costs, batch),
+                    method,
+                    self.speculative_config.max_speculative_tokens,
+                )
+                == 0
+            ):
+                return float(batch)
+        return float("inf")
 
     def fallback_state(self) -> dict[Method, bool]:
         """Per method: whether the engine has stopped proposing with it, switched off by

@@ -37,6 +37,8 @@ class BackendCard:
     speculative_config: dict[str, Any]
     default_method: Method
     default_num_speculative_tokens: int | None
+    # How requests share the model: "continuous (max_num_seqs=N)", or one at a time and why.
+    batching: str = "one request at a time"
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class LocalBackend:
             speculative_config=spec.model_dump(mode="json"),
             default_method=spec.method,
             default_num_speculative_tokens=spec.num_speculative_tokens,
+            batching=engine.batching_mode,
         )
 
     @classmethod
@@ -66,6 +67,9 @@ class LocalBackend:
 
     def fallback_state(self) -> dict[Method, bool]:
         return self.engine.fallback_state()
+
+    def speculation_crossover(self, method: Method) -> float:
+        return self.engine.speculation_crossover(method)
 
     def close(self) -> None:
         self.engine.close()
