@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from engine.attention import CPU_GQA_SDPA
 from engine.batched_cache import SlotBatch, SlotCache
-from engine.tree import ancestor_mask, chain_parents, depths
+from engine.tree import ancestor_mask, depths
 
 # Attention implementations that take a boolean mask (True = attend); others get an additive one.
 _BOOL_MASK_ATTENTION = ("sdpa", CPU_GQA_SDPA, "flash_attention_2")
@@ -32,9 +32,6 @@ class Feed:
     slot: int
     tokens: list[int]
     parents: tuple[int, ...] | None = None
-
-    def node_parents(self) -> tuple[int, ...]:
-        return self.parents if self.parents is not None else chain_parents(len(self.tokens) - 1)
 
 
 class BatchedRunner:
@@ -60,12 +57,15 @@ class BatchedRunner:
         mask = torch.zeros((batch, 1, rows, kv_length), dtype=torch.bool)
         for b, (feed, start) in enumerate(zip(feeds, starts, strict=True)):
             n = len(feed.tokens)
-            parents = feed.node_parents()
             ids[b, :n] = torch.tensor(feed.tokens)
-            positions[b, :n] = start + torch.tensor([0, *depths(parents)])
-            positions[b, n:] = start
             mask[b, 0, :, :start] = True
-            mask[b, 0, :n, start : start + n] = ancestor_mask(parents)
+            if feed.parents is None:  # a chain (prefill chunks, chain proposals): causal
+                positions[b, :n] = start + torch.arange(n)
+                mask[b, 0, :n, start : start + n] = torch.ones((n, n), dtype=torch.bool).tril()
+            else:
+                positions[b, :n] = start + torch.tensor([0, *depths(feed.parents)])
+                mask[b, 0, :n, start : start + n] = ancestor_mask(feed.parents)
+            positions[b, n:] = start
             mask[b, 0, n:, start] = True  # padding rows: see row 0, never read
         write = torch.tensor(starts)[:, None] + torch.arange(rows)[None, :]
         self.cache.batch = SlotBatch(

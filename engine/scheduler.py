@@ -4,8 +4,8 @@ Each iteration of ``BatchScheduler.run``:
 1. admits waiting requests while there is a free slot (``max_num_seqs``) and the KV budget
    holds the padded cache (every slot is as long as the longest: slots x longest reservation);
 2. prefills prompts in chunks, within what the step's token budget (``max_num_batched_tokens``)
-   leaves after the decoding sequences' rows, oldest first, so a long prompt delays the
-   others' next step by one chunk, never by its whole length;
+   leaves after the decoding sequences' rows, the shortest remainder first, so a long prompt
+   delays the others' next step by one chunk, never by its whole length;
 3. runs one decode step over every sequence whose prompt is cached: each brings its own
    proposal, sized by its own adaptive k against the pass costs at this batch size
    (``BatchCosts``), so speculation shrinks as the batch grows and stops where it no
@@ -197,9 +197,12 @@ class BatchScheduler:
             self.running.append(seq)
 
     def _prefill(self) -> None:
+        """Prompt chunks within the step's budget, the prompt with the least left first: a
+        short request arriving behind a long prompt gets its first token after one step."""
         decoding = sum(1 for seq in self.running if seq.decoding and not seq.done)
         budget = max(self.limits.max_num_batched_tokens - decoding, 1)
-        for seq in self.running:
+        pending = sorted(self.running, key=lambda seq: seq.prefill_target - seq.prefilled)
+        for seq in pending:
             if budget <= 0:
                 return
             if seq.decoding or seq.done:

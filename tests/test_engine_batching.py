@@ -146,3 +146,15 @@ def test_tree_pass_and_keep_path_match_the_chain(models: tuple[Path, Path]) -> N
     assert batched.lengths[0] == len(prefix) + 2
     after = batched.forward([Feed(0, [15])])[0]
     torch.testing.assert_close(after[0], single.forward([15])[0], rtol=0, atol=1e-4)
+
+
+def test_a_short_request_is_not_stuck_behind_a_long_prompt(engine: Engine) -> None:
+    # The fixture's budget is 16 rows a step: the long prompt takes 25 steps to prefill.
+    long = engine.submit(
+        make_request([3 + i % 300 for i in range(400)], "none", None, 4, temperature=0.0)
+    )
+    short_request = make_request([5, 6, 7], "none", None, 4, temperature=0.0)
+    short = engine.submit(short_request)
+    short_result, long_result = short.result(), long.result()
+    assert short_result.stats.total_time_s < long_result.stats.time_to_first_token_s
+    assert short_result.token_ids == engine.generate(short_request).token_ids
