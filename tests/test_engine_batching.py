@@ -9,6 +9,7 @@ and path compaction give the logits of the equivalent chain.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,12 @@ from engine.config import EngineConfig, SpeculativeConfig
 from engine.model_runner import ModelRunner
 from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from tests.test_engine_sampling import (
+    SAMPLES,
+    SIGNIFICANCE,
+    chi_square_p_value,
+    exact_pair_distribution,
+)
 from tests.tiny_models import build_noisy_copy, build_pair
 
 NO_FALLBACK = SpeculativeConfig(
@@ -158,3 +165,35 @@ def test_a_short_request_is_not_stuck_behind_a_long_prompt(engine: Engine) -> No
     short_result, long_result = short.result(), long.result()
     assert short_result.stats.total_time_s < long_result.stats.time_to_first_token_s
     assert short_result.token_ids == engine.generate(short_request).token_ids
+
+
+@pytest.mark.slow
+def test_sampling_stays_exact_per_sequence_in_a_shared_batch(engine: Engine) -> None:
+    """Draft speculation sampled while plain and n-gram requests share every batch: the
+    first two tokens follow the target's distribution (Pearson, as in test_engine_sampling)."""
+    params = SamplingParams(max_tokens=2, temperature=1.0, ignore_eos=True)
+    prompt = engine.tokenizer.encode("def add(a, b):\n")
+    counts: Counter[tuple[int, int]] = Counter()
+    wave = 8
+    for start in range(0, SAMPLES, wave):
+        mine = [
+            engine.submit(
+                GenerationRequest(
+                    tuple(prompt),
+                    SamplingParams(**{**params.__dict__, "seed": seed}),
+                    SpeculativeChoice("draft", 2),
+                )
+            )
+            for seed in range(start, min(start + wave, SAMPLES))
+        ]
+        neighbours = [
+            engine.submit(make_request([9 + i, 10, 11], method, 3, 6, temperature=0.7))
+            for i, method in enumerate(["none", "ngram", "draft"])
+        ]
+        for handle in mine:
+            tokens = handle.result().token_ids
+            counts[(tokens[0], tokens[1])] += 1
+        for handle in neighbours:
+            handle.result()
+    exact = exact_pair_distribution(engine, prompt, params)
+    assert chi_square_p_value(counts, exact) > SIGNIFICANCE
