@@ -107,6 +107,25 @@ class EngineConfig(BaseModel):
         description="torch CPU threads (process-wide); None keeps torch's choice. On shared "
         "cores one thread keeps multi-token verification passes cheap.",
     )
+    max_num_seqs: int = Field(
+        default=16,
+        ge=1,
+        le=256,
+        description="Sequences decoded together in one batch (vLLM's name).",
+    )
+    max_num_batched_tokens: int = Field(
+        default=512,
+        ge=16,
+        description="Rows per step: the decoding sequences' rows plus prompt chunks prefilled "
+        "beside them (vLLM's name); a longer prompt is prefilled over several steps.",
+    )
+    max_kv_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV budget in cached positions over all slots; every slot is padded to "
+        "the longest reservation (prompt + max_tokens) in the batch. None: no bound beyond "
+        "max_num_seqs x the context window.",
+    )
     served_model_name: str | None = None
     translate_draft_tokens: bool = Field(
         default=False,

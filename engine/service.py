@@ -23,6 +23,8 @@ from opentelemetry import trace
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.adaptive import FallbackMonitor, PassCosts, RunLengths, SpeculationLength
+from engine.batched_cache import supports_batching
+from engine.batched_runner import BatchedRunner
 from engine.compat import continues_exactly
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill
@@ -43,6 +45,14 @@ from engine.output import OutputAssembler
 from engine.proposers import DraftModelProposer, NgramProposer, Proposer
 from engine.proposers.translating import TranslatingDraftProposer
 from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
+from engine.scheduler import (
+    ActiveSequence,
+    BatchCosts,
+    BatchLimits,
+    BatchScheduler,
+    annotate,
+    best_length,
+)
 from engine.types import (
     MAX_TOP_LOGPROBS,
     EngineClosedError,
@@ -213,19 +223,21 @@ class Engine:
         # then no speculation method is offered.
         self.can_speculate = continues_exactly(self._target, self.vocab_size)
         spec = config.speculative
-        self._proposers: dict[Method, Proposer] = {
-            "ngram": NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        }
+        ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        # One proposer per request: a draft proposer keeps its own draft cache, and requests
+        # in one batch draft side by side (the n-gram proposer has no state to share).
+        self._new_proposer: dict[Method, Callable[[], Proposer]] = {"ngram": lambda: ngram}
         if draft is not None and draft_tokenizer is not None:
-            self._proposers["draft"] = TranslatingDraftProposer(
+            translated_by = draft_tokenizer
+            self._new_proposer["draft"] = lambda: TranslatingDraftProposer(
                 ModelRunner(draft),
                 tokenizer,
-                draft_tokenizer,
+                translated_by,
                 target_ids=self.vocab_size,
                 window=context_window(draft.config),
             )
         elif draft is not None:
-            self._proposers["draft"] = DraftModelProposer(
+            self._new_proposer["draft"] = lambda: DraftModelProposer(
                 ModelRunner(draft),
                 target_ids=self.vocab_size,
                 proposable_ids=min(len(tokenizer), input_rows(draft), self.vocab_size),
@@ -233,7 +245,14 @@ class Engine:
                 vocabulary=draft_vocabulary,
             )
         if not self.can_speculate:
-            self._proposers = {}
+            self._new_proposer = {}
+        self._proposers: dict[Method, Proposer] = {
+            method: make() for method, make in self._new_proposer.items()
+        }
+        # Continuous batching where every attention layer is plain full attention; other
+        # models (sliding-window, chunked, recurrent layers) are served one request at a time.
+        self.batching = supports_batching(target.config)
+        self._batched = BatchedRunner(target, config.max_num_seqs) if self.batching else None
         self.available_methods: tuple[Method, ...] = ("none", *self._proposers)
         self._eos = _eos_ids(target, tokenizer)
         self.grammars = Grammars(tokenizer, self.vocab_size, self._eos)
@@ -259,6 +278,7 @@ class Engine:
         self._calibrate()
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=config.max_queue)
         self._closed = False
+        self._scheduler: BatchScheduler | None = None
         self._worker = threading.Thread(target=self._serve, name="specgate-engine", daemon=True)
         self._worker.start()
 
@@ -302,12 +322,42 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        """Requests waiting for a place in the running batch (or, served one at a time, for
+        their turn)."""
+        waiting = len(self._scheduler.waiting) if self._scheduler is not None else 0
+        return self._queue.qsize() + waiting
 
     @property
     def closed(self) -> bool:
         """Shut down, or its worker thread is gone: it answers no more requests."""
         return self._closed or not self._worker.is_alive()
+
+    @property
+    def batching_mode(self) -> str:
+        """How requests share the target, for the startup event."""
+        if self.batching:
+            return f"continuous (max_num_seqs={self.config.max_num_seqs})"
+        return "one request at a time (sliding-window, chunked or recurrent layers)"
+
+    def speculation_crossover(self, method: Method) -> float:
+        """The smallest batch size at which a sequence at the method's current acceptance
+        gets k = 0 from the pass costs measured at that batch size; inf where speculating
+        pays up to ``max_num_seqs``."""
+        if method not in self._proposers:
+            return 0.0
+        alpha = self._monitor.prior(method)
+        for batch in range(1, self.config.max_num_seqs + 1):
+            if (
+                best_length(
+                    alpha,
+                    BatchCosts(self._costs, batch),
+                    method,
+                    self.speculative_config.max_speculative_tokens,
+                )
+                == 0
+            ):
+                return float(batch)
+        return float("inf")
 
     def fallback_state(self) -> dict[Method, bool]:
         """Per method: whether the engine has stopped proposing with it, switched off by
@@ -377,6 +427,17 @@ class Engine:
             )
 
     def _serve(self) -> None:
+        if self._batched is not None:
+            limits = BatchLimits(
+                self.config.max_num_seqs,
+                self.config.max_num_batched_tokens,
+                self.config.max_kv_tokens,
+            )
+            self._scheduler = BatchScheduler(
+                self._batched, limits, self._costs, self._admit, self._finish
+            )
+            self._scheduler.run(self._queue)
+            return
         while True:
             handle = self._queue.get()
             if handle is None:
@@ -409,9 +470,8 @@ class Engine:
             length = SpeculationLength(
                 spec.max_speculative_tokens, 0.0, self._costs, method, self._run_lengths[method]
             )
-            return _Plan(
-                Speculation(self._proposers[method], None, length, 0.0, schedule), method, False
-            )
+            proposer = self._new_proposer[method]()
+            return _Plan(Speculation(proposer, None, length, 0.0, schedule), method, False)
         pinned = not params.greedy and params.seed is not None and not params.seed_drawn
         fixed_k = request.speculative.num_speculative_tokens or spec.num_speculative_tokens
         if pinned:
@@ -423,13 +483,20 @@ class Engine:
             spec.max_speculative_tokens, prior, self._costs, method, self._run_lengths[method]
         )
         confidence = spec.draft_confidence_threshold if fixed_k is None else 0.0
-        speculation = Speculation(self._proposers[method], fixed_k, length, confidence)
+        speculation = Speculation(self._new_proposer[method](), fixed_k, length, confidence)
         return _Plan(speculation, method, False)
 
     def _calibrate(self, repeats: int = 3) -> None:
         """Time target passes of 1 to max_k + 1 tokens, and a draft pass, once at load, so that
         adaptive k starts from this machine's real costs (refined by every pass served)."""
-        prompt = [i % self.vocab_size for i in range(3, 35)]
+        max_k = self.speculative_config.max_speculative_tokens
+        # Batched passes cost what a pass of as many rows costs (engine.scheduler.BatchCosts):
+        # beyond one request's k + 1 rows, sizes up to a full batch of plain steps.
+        sizes = list(range(1, max_k + 2))
+        batch_rows = self.config.max_num_seqs * (max_k + 1)
+        sizes += [n for n in (32, 64, 128) if max_k + 1 < n <= batch_rows]
+        sizes = [n for n in sizes if n == 1 or 32 + n <= self.max_context]
+        prompt = [3 + i % max(1, self.vocab_size - 3) for i in range(32 + max(sizes))]
 
         def seconds(runner: ModelRunner, tokens: list[int]) -> float:
             times = []
@@ -441,12 +508,12 @@ class Engine:
                 runner.truncate(length)
             return min(times[1:])  # noise on shared cores only ever adds time
 
-        prefill(self._target, prompt)
-        for tokens in range(1, self.speculative_config.max_speculative_tokens + 2):
-            self._costs.record_target(tokens, seconds(self._target, prompt[:tokens]))
+        prefill(self._target, prompt[:32])
+        for tokens in sizes:
+            self._costs.record_target(tokens, seconds(self._target, prompt[32 : 32 + tokens]))
         draft = self._proposers.get("draft")
         if isinstance(draft, DraftModelProposer | TranslatingDraftProposer):
-            prefill(draft.runner, prompt)
+            prefill(draft.runner, prompt[:32])
             self._costs.record_proposer("draft", seconds(draft.runner, prompt[-1:]))
             draft.start([])
 
@@ -488,19 +555,8 @@ class Engine:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         prompt = list(request.prompt_ids)
         output = OutputAssembler(self.tokenizer, params, prompt, self._eos)
-        processing = None
-        if params.processes_logits:
-            processing = LogitsProcessing(
-                params,
-                prompt,
-                self.vocab_size,
-                frozenset() if params.ignore_eos else self._eos,
-                self.device,
-                None if handle.grammar is None else self.grammars.matcher(handle.grammar),
-            )
-        recorder = (
-            None if params.logprobs is None else LogprobRecorder(self.tokenizer, params.logprobs)
-        )
+        processing = self._processing(handle)
+        recorder = self._recorder(params)
 
         with _tracer.start_as_current_span("specgate.prefill") as span:
             span.set_attribute("specgate.prompt_tokens", len(prompt))
@@ -541,17 +597,71 @@ class Engine:
                         StreamDelta(piece.text, tuple(piece.token_ids), logprobs=logprobs)
                     )
             steps.close()
-            _annotate(span, stats)
-        if plan.speculation is not None:
-            adaptive = plan.speculation.fixed_k is None
+            annotate(span, stats)
+        self._record(plan.speculation, stats)
+
+    def _record(self, speculation: Speculation | None, stats: GenerationStats) -> None:
+        """A finished request's acceptance and passes, into the fallback monitor."""
+        if speculation is not None:
+            adaptive = speculation.fixed_k is None
             self._monitor.record(
-                plan.method,
+                stats.method,
                 stats.num_draft_tokens,
                 stats.num_accepted_tokens,
                 passes=stats.num_drafts,
                 steps=stats.num_target_passes,
-                plain_steps=plan.speculation.length.plain_steps if adaptive else 0,
+                plain_steps=speculation.length.plain_steps if adaptive else 0,
             )
+
+    def _processing(self, handle: RequestHandle) -> LogitsProcessing | None:
+        """The request's logits processors (penalties, bias, grammar), or None without any."""
+        params = handle.request.sampling
+        if not params.processes_logits:
+            return None
+        return LogitsProcessing(
+            params,
+            list(handle.request.prompt_ids),
+            self.vocab_size,
+            frozenset() if params.ignore_eos else self._eos,
+            self.device,
+            None if handle.grammar is None else self.grammars.matcher(handle.grammar),
+        )
+
+    def _recorder(self, params: SamplingParams) -> LogprobRecorder | None:
+        return None if params.logprobs is None else LogprobRecorder(self.tokenizer, params.logprobs)
+
+    def _admit(self, handle: RequestHandle) -> ActiveSequence:
+        """A request joining the running batch: its plan, generator and output."""
+        request = handle.request
+        params = request.sampling
+        token = otel_context.attach(handle.otel_context)
+        try:
+            plan = self._plan(request)
+        finally:
+            otel_context.detach(token)
+        stats = GenerationStats(
+            method=plan.method,
+            num_prompt_tokens=len(request.prompt_ids),
+            fallback_active=plan.fallback_active,
+        )
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        prompt = list(request.prompt_ids)
+        return ActiveSequence(
+            handle=handle,
+            method=plan.method,
+            speculation=plan.speculation,
+            stats=stats,
+            generator=torch.Generator(device=self.device).manual_seed(seed),
+            output=OutputAssembler(self.tokenizer, params, prompt, self._eos),
+            context=list(prompt),
+            reserved=len(prompt) + params.max_tokens,
+            remaining=params.max_tokens,
+            processing=self._processing(handle),
+            recorder=self._recorder(params),
+        )
+
+    def _finish(self, seq: ActiveSequence) -> None:
+        self._record(seq.speculation, seq.stats)
 
 
 def _validate_processors(params: SamplingParams, vocab_size: int) -> None:
@@ -574,20 +684,6 @@ def _validate_processors(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(
             f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs"
         )
-
-
-def _annotate(span: trace.Span, stats: GenerationStats) -> None:
-    span.set_attributes(
-        {
-            "specgate.speculative.method": stats.method,
-            "specgate.speculative.num_draft_tokens": stats.num_draft_tokens,
-            "specgate.speculative.num_accepted_tokens": stats.num_accepted_tokens,
-            "specgate.speculative.acceptance_rate": stats.acceptance_rate,
-            "specgate.speculative.num_target_passes": stats.num_target_passes,
-            "specgate.speculative.fallback_active": stats.fallback_active,
-            "specgate.output_tokens": stats.num_output_tokens,
-        }
-    )
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

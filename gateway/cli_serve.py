@@ -31,6 +31,13 @@ def serve(
         str | None, typer.Option(help="cuda, cpu, ... (default: CUDA if present).")
     ] = None,
     dtype: Annotated[str | None, typer.Option(help="auto, bfloat16, float16 or float32.")] = None,
+    max_num_seqs: Annotated[
+        int | None, typer.Option(help="Sequences decoded together in one batch (vLLM's name).")
+    ] = None,
+    max_num_batched_tokens: Annotated[
+        int | None,
+        typer.Option(help="Rows per batched step, prompt chunks included (vLLM's name)."),
+    ] = None,
     database_url: Annotated[
         str | None,
         typer.Option(help="sqlite:///PATH or postgresql://... (default: SQLite in the data dir)."),
@@ -86,6 +93,8 @@ def serve(
             served_model_name=served_model_name,
             device=device,
             dtype=dtype,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             database_url=database_url,
             migrate=migrate,
             host=host,

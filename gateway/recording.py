@@ -78,6 +78,7 @@ def startup_payload(settings: Settings, card: BackendCard) -> dict[str, Any]:
         "available_methods": list(card.available_methods),
         "speculative_config": card.speculative_config,
         "max_context": card.max_context,
+        "batching": card.batching,
     }
 
 

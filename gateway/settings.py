@@ -143,6 +143,15 @@ class Settings(BaseSettings):
     device: str | None = None
     served_model_name: str | None = None
     max_queue: int = Field(default=64, ge=1)
+    max_num_seqs: int = Field(
+        default=16, ge=1, le=256, description="Sequences decoded together in one batch."
+    )
+    max_num_batched_tokens: int = Field(
+        default=512, ge=16, description="Rows per batched step, prompt chunks included."
+    )
+    max_kv_tokens: int | None = Field(
+        default=None, ge=1, description="KV budget in cached positions over all batch slots."
+    )
     cpu_threads: int | None = Field(default=None, ge=1, description="torch CPU threads.")
 
     data_dir: Path = Field(default_factory=_default_data_dir)
@@ -481,6 +490,9 @@ def engine_config(settings: Settings) -> EngineConfig:
             dtype=settings.dtype,
             device=settings.device,
             max_queue=settings.max_queue,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_kv_tokens=settings.max_kv_tokens,
             cpu_threads=settings.cpu_threads,
             served_model_name=settings.served_model_name
             or (DEMO_MODEL_NAME if settings.target is None else None),

@@ -266,8 +266,10 @@ def test_queue_depth_steps_down_to_plain_decoding(pair: tuple[Path, Path]) -> No
     spec = SpeculativeConfig(
         method="ngram", acceptance_threshold=0.0, min_speedup=0.0, disable_by_queue_depth=1
     )
+    # One sequence at a time, so that the later requests wait (in a batch they would join).
     eng = Engine.load(
-        EngineConfig(target=pair[0], dtype="float32", speculative=spec), events.append
+        EngineConfig(target=pair[0], dtype="float32", speculative=spec, max_num_seqs=1),
+        events.append,
     )
     try:
         long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)

@@ -40,6 +40,8 @@ class BackendCard:
     # How tool calls are read from output text (``engine.tool_parsers``; vLLM's
     # ``--tool-call-parser``): chosen by the chat template unless configured.
     tool_call_parser: str = "hermes"
+    # How requests share the model: "continuous (max_num_seqs=N)", or one at a time and why.
+    batching: str = "one request at a time"
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ class LocalBackend:
             default_num_speculative_tokens=spec.num_speculative_tokens,
             tool_call_parser=engine.config.tool_call_parser
             or parser_for_template(getattr(engine.tokenizer, "chat_template", None)),
+            batching=engine.batching_mode,
         )
 
     @classmethod
@@ -83,6 +84,9 @@ class LocalBackend:
 
     def fallback_state(self) -> dict[Method, bool]:
         return self.engine.fallback_state()
+
+    def speculation_crossover(self, method: Method) -> float:
+        return self.engine.speculation_crossover(method)
 
     def close(self) -> None:
         self.engine.close()

@@ -129,6 +129,14 @@ class Metrics:
             spec_labels,
             registry=r,
         )
+        self.speculation_crossover = Gauge(
+            "specgate_speculation_crossover_batch_size",
+            "Smallest batch size at which adaptive k stops speculating with the method, from "
+            "measured pass costs and the method's current acceptance (+Inf: it pays up to "
+            "max_num_seqs).",
+            spec_labels,
+            registry=r,
+        )
         self.fallback_switches = Counter(
             "specgate_fallback_switches",
             "Fallback switches of a method off (disabled) or on (enabled).",
@@ -183,8 +191,10 @@ class Metrics:
         methods: tuple[Method, ...],
         queue_depth: Callable[[], int],
         fallback_state: Callable[[], Mapping[Method, bool]],
+        crossover: Callable[[Method], float] | None = None,
     ) -> None:
-        """Read queue depth and fallback state from the engine at each scrape.
+        """Read queue depth, fallback state and the speculation crossover from the engine at
+        each scrape.
 
         Reading at scrape time keeps the gauges exact without any bookkeeping here.
         """
@@ -193,6 +203,10 @@ class Metrics:
             self.speculation_disabled.labels(method, model).set_function(
                 _disabled_flag(fallback_state, method)
             )
+            if crossover is not None:
+                self.speculation_crossover.labels(method, model).set_function(
+                    _bound(crossover, method)
+                )
 
     def watch_replicas(self, states: Callable[[], list[tuple[str, str, bool, int]]]) -> None:
         """Read each replica's rotation state and load at each scrape."""
@@ -234,6 +248,10 @@ class Metrics:
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format (``METRICS_CONTENT_TYPE``)."""
         return generate_latest(self.registry)
+
+
+def _bound(figure: Callable[[Method], float], method: Method) -> Callable[[], float]:
+    return lambda: figure(method)
 
 
 def _disabled_flag(

@@ -178,6 +178,8 @@ class Telemetry:
             tuple(m for m in card.available_methods if m != "none"),
             lambda: backend.queue_depth,
             backend.fallback_state,
+            # Backends that batch with adaptive speculation report where it stops paying.
+            getattr(backend, "speculation_crossover", None),
         )
 
     def fallback_listener(

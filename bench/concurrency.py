@@ -1,0 +1,222 @@
+"""Concurrency sweep through the live API: how the built-in engine's continuous batching
+scales with concurrent clients, per speculation method.
+
+    python -m bench.concurrency [--target DIR --draft DIR] [--clients 1,2,4,8,16]
+                                [--methods none,ngram,draft] [--requests-per-client 2]
+                                [--max-tokens 48] [--long-prompt-tokens 2000] [--json FILE]
+
+Serves the real app (uvicorn on 127.0.0.1, scratch SQLite audit) and, for each method and
+each number of clients, runs that many streaming clients at once over a fixed mix (the
+built-in ``chat`` prompts, in turn), greedy so every method produces the same tokens. Per
+point: total completion tokens/s, mean per-request tokens/s, p50/p99 latency and time to
+first token. Then the head-of-line check: one short request sent while a prompt of
+``--long-prompt-tokens`` tokens is being prefilled; its time to first token. Points run in
+one process, side by side; the 1-minute load average is reported with them.
+
+Another server (vLLM's OpenAI server on the same weights, #16's backend) plugs in with
+``--base-url URL --api-key KEY --model NAME``: the same clients, the same mix, no local app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.gateway_overhead import serving
+from bench.workload import BUILTIN_DIR
+from gateway.settings import load_settings
+
+
+@dataclass
+class Point:
+    method: str
+    clients: int
+    requests: int
+    total_tokens_per_s: float
+    per_request_tokens_per_s: float
+    p50_latency_s: float
+    p99_latency_s: float
+    p50_ttft_s: float
+    p99_ttft_s: float
+
+
+@dataclass
+class Timed:
+    tokens: int
+    latency_s: float
+    ttft_s: float
+
+
+def chat_mix() -> list[list[dict[str, str]]]:
+    lines = (BUILTIN_DIR / "chat.jsonl").read_text().splitlines()
+    return [json.loads(line)["messages"] for line in lines if line.strip()]
+
+
+async def one_request(
+    client: httpx.AsyncClient,
+    model: str,
+    messages: list[dict[str, str]],
+    method: str,
+    max_tokens: int,
+) -> Timed:
+    body: dict[str, object] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if method != "default":
+        body["speculative"] = False if method == "none" else {"method": method}
+    started = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if first is None and any(c.get("delta", {}).get("content") for c in chunk["choices"]):
+                first = time.perf_counter()
+    done = time.perf_counter()
+    return Timed(tokens, done - started, (first or done) - started)
+
+
+def _p(values: list[float], q: int) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(sorted(values), n=100, method="inclusive")[q - 1]
+
+
+async def sweep_point(
+    client: httpx.AsyncClient,
+    model: str,
+    method: str,
+    clients: int,
+    per_client: int,
+    max_tokens: int,
+) -> Point:
+    mix = chat_mix()
+
+    async def run_client(index: int) -> list[Timed]:
+        out = []
+        for n in range(per_client):
+            messages = mix[(index * per_client + n) % len(mix)]
+            out.append(await one_request(client, model, messages, method, max_tokens))
+        return out
+
+    started = time.perf_counter()
+    results = [t for batch in await asyncio.gather(*map(run_client, range(clients))) for t in batch]
+    wall = time.perf_counter() - started
+    latencies = [t.latency_s for t in results]
+    ttfts = [t.ttft_s for t in results]
+    return Point(
+        method=method,
+        clients=clients,
+        requests=len(results),
+        total_tokens_per_s=round(sum(t.tokens for t in results) / wall, 2),
+        per_request_tokens_per_s=round(
+            statistics.fmean(t.tokens / t.latency_s for t in results), 2
+        ),
+        p50_latency_s=round(_p(latencies, 50), 3),
+        p99_latency_s=round(_p(latencies, 99), 3),
+        p50_ttft_s=round(_p(ttfts, 50), 3),
+        p99_ttft_s=round(_p(ttfts, 99), 3),
+    )
+
+
+async def head_of_line(client: httpx.AsyncClient, model: str, long_tokens: int) -> float:
+    """TTFT of a short request sent just after one whose prompt has ``long_tokens`` tokens."""
+    words = " ".join(f"w{i % 97}" for i in range(long_tokens))  # about one token per word
+    long_messages = [{"role": "user", "content": words}]
+    short = [{"role": "user", "content": "Say hi."}]
+    long_task = asyncio.create_task(one_request(client, model, long_messages, "none", 8))
+    await asyncio.sleep(0.05)
+    timed = await one_request(client, model, short, "none", 8)
+    await long_task
+    return round(timed.ttft_s, 3)
+
+
+async def run(
+    args: argparse.Namespace, base_url: str, api_key: str, model: str
+) -> dict[str, object]:
+    headers = {"authorization": f"Bearer {api_key}"}
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, timeout=600, limits=limits
+    ) as client:
+        await one_request(client, model, chat_mix()[0], "none", 4)  # warm-up
+        points = []
+        for method in args.methods.split(","):
+            for clients in (int(c) for c in args.clients.split(",")):
+                point = await sweep_point(
+                    client, model, method, clients, args.requests_per_client, args.max_tokens
+                )
+                print(json.dumps(asdict(point)), flush=True)
+                points.append(asdict(point))
+        ttft = await head_of_line(client, model, args.long_prompt_tokens)
+    return {
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "points": points,
+        "short_request_ttft_behind_long_prompt_s": ttft,
+        "long_prompt_tokens": args.long_prompt_tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", type=Path)
+    parser.add_argument("--draft", type=Path)
+    parser.add_argument("--clients", default="1,2,4,8,16")
+    parser.add_argument("--methods", default="none,ngram,draft")
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--long-prompt-tokens", type=int, default=2000)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--base-url", help="bench another OpenAI server instead (e.g. vLLM)")
+    parser.add_argument("--api-key", default="none")
+    parser.add_argument("--model", help="model name on --base-url")
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    args = parser.parse_args()
+
+    if args.base_url:
+        result = asyncio.run(run(args, args.base_url, args.api_key, args.model))
+    else:
+        with tempfile.TemporaryDirectory(prefix="specgate-concurrency-") as scratch:
+            settings = load_settings(
+                target=args.target,
+                draft=args.draft,
+                database_url=f"sqlite:///{scratch}/audit.db",
+                data_dir=Path(scratch),
+                checkpoint_interval_s=3600.0,
+                log_level="warning",
+                max_num_seqs=args.max_num_seqs,
+                max_queue=256,
+            )
+            with serving(settings) as (base_url, services):
+                _, api_key = services.keys.create("app", "bench-concurrency", "bench")
+                model = services.backend.card.model_name
+                result = asyncio.run(run(args, base_url, api_key, model))
+                services.keys.revoke("bench-concurrency", "bench")
+    print(json.dumps(result, indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

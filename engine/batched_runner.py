@@ -1,0 +1,121 @@
+"""One causal LM running passes over many sequences at once, each in its own cache slot.
+
+A pass takes per sequence a ``Feed``: the rows to run (row 0 is the sequence's last committed
+token, or the first token of a prefill chunk; the others are proposal nodes or the rest of the
+chunk), and the parent of each node. Row r goes to position ``cached + depth(r)`` and may see
+the sequence's cached prefix, its own ancestors and itself (engine.tree's ancestor mask);
+every sequence's rows are padded to the longest, and padding rows see only row 0. All rows are
+stored behind the sequence's cached prefix; ``keep_path`` then keeps row 0 and the accepted
+nodes and drops the rest, ``truncate`` is the plain rollback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.attention import CPU_GQA_SDPA
+from engine.batched_cache import SlotBatch, SlotCache
+from engine.tree import ancestor_mask, depths
+
+# Attention implementations that take a boolean mask (True = attend); others get an additive one.
+_BOOL_MASK_ATTENTION = ("sdpa", CPU_GQA_SDPA, "flash_attention_2")
+
+
+@dataclass(frozen=True)
+class Feed:
+    """One sequence's rows in a pass. ``parents`` are the nodes' parents as in ``Proposal``
+    (over ``tokens[1:]``, -1 = child of row 0); None means a chain."""
+
+    slot: int
+    tokens: list[int]
+    parents: tuple[int, ...] | None = None
+
+
+class BatchedRunner:
+    def __init__(self, model: PreTrainedModel, max_slots: int) -> None:
+        self.model = model
+        self.device = model.device
+        self.max_slots = max_slots
+        self.cache = SlotCache(model.config, max_slots)
+        self.lengths = [0] * max_slots
+        self._bool_mask = model.config._attn_implementation in _BOOL_MASK_ATTENTION
+
+    @torch.inference_mode()
+    def forward(self, feeds: list[Feed], last_only: bool = False) -> list[torch.Tensor]:
+        """Run every feed; float32 logits ``[rows, vocab]`` per feed (``[1, vocab]`` with
+        ``last_only``, which is for prefill chunks of one feed)."""
+        batch, rows = len(feeds), max(len(feed.tokens) for feed in feeds)
+        if last_only and batch != 1:
+            raise ValueError("last_only passes take one feed")
+        starts = [self.lengths[feed.slot] for feed in feeds]
+        kv_length = max(starts) + rows
+        ids = torch.zeros((batch, rows), dtype=torch.long)
+        positions = torch.zeros((batch, rows), dtype=torch.long)
+        mask = torch.zeros((batch, 1, rows, kv_length), dtype=torch.bool)
+        for b, (feed, start) in enumerate(zip(feeds, starts, strict=True)):
+            n = len(feed.tokens)
+            ids[b, :n] = torch.tensor(feed.tokens)
+            mask[b, 0, :, :start] = True
+            if feed.parents is None:  # a chain (prefill chunks, chain proposals): causal
+                positions[b, :n] = start + torch.arange(n)
+                mask[b, 0, :n, start : start + n] = torch.ones((n, n), dtype=torch.bool).tril()
+            else:
+                positions[b, :n] = start + torch.tensor([0, *depths(feed.parents)])
+                mask[b, 0, :n, start : start + n] = ancestor_mask(feed.parents)
+            positions[b, n:] = start
+            mask[b, 0, n:, start] = True  # padding rows: see row 0, never read
+        write = torch.tensor(starts)[:, None] + torch.arange(rows)[None, :]
+        self.cache.batch = SlotBatch(
+            [feed.slot for feed in feeds], write.to(self.device), kv_length
+        )
+        attention = mask.to(self.device)
+        if not self._bool_mask:
+            floor = torch.finfo(self.model.dtype).min
+            attention = torch.zeros(mask.shape, dtype=self.model.dtype, device=self.device)
+            attention.masked_fill_(~mask.to(self.device), floor)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask=attention,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+        )
+        for feed in feeds:
+            self.lengths[feed.slot] += len(feed.tokens)
+        logits = out.logits.float()
+        if last_only:
+            return [logits[0]]
+        return [logits[b, : len(feed.tokens)] for b, feed in enumerate(feeds)]
+
+    def truncate(self, slot: int, length: int) -> None:
+        if length > self.lengths[slot]:
+            raise ValueError(f"cannot truncate slot {slot} of {self.lengths[slot]} to {length}")
+        self.lengths[slot] = length
+
+    @torch.inference_mode()
+    def keep_path(self, slot: int, committed_len: int, path: tuple[int, ...] | list[int]) -> None:
+        """After a pass that fed the last committed token (stored at ``committed_len - 1``)
+        and proposal nodes behind it, keep that token and the accepted ``path`` (node indices,
+        root child first) contiguous behind the prefix; drop the rest. A chain's accepted
+        prefix 0..m-1 already lies in place."""
+        first = committed_len  # storage index of node 0
+        source = [first + node for node in path]
+        target = list(range(first, first + len(path)))
+        moves = [(s, t) for s, t in zip(source, target, strict=True) if s != t]
+        if moves:
+            self.cache.move(slot, [s for s, _ in moves], [t for _, t in moves])
+        self.truncate(slot, committed_len + len(path))
+
+    @torch.inference_mode()
+    def move_slot(self, source: int, target: int) -> None:
+        """Move a sequence's cache from ``source`` to ``target`` (slot compaction)."""
+        self.cache.copy_slot(source, target, self.lengths[source])
+        self.lengths[target] = self.lengths[source]
+        self.lengths[source] = 0
+
+    def release(self, slot: int) -> None:
+        self.lengths[slot] = 0

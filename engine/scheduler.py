@@ -1,0 +1,348 @@
+"""Continuous batching: requests join the running batch between steps and leave when done.
+
+Each iteration of ``BatchScheduler.run``:
+1. admits waiting requests while there is a free slot (``max_num_seqs``) and the KV budget
+   holds the padded cache (every slot is as long as the longest: slots x longest reservation);
+2. prefills prompts in chunks, within what the step's token budget (``max_num_batched_tokens``)
+   leaves after the decoding sequences' rows, the shortest remainder first, so a long prompt
+   delays the others' next step by one chunk, never by its whole length;
+3. runs one decode step over every sequence whose prompt is cached: each brings its own
+   proposal, sized by its own adaptive k against the pass costs at this batch size
+   (``BatchCosts``), so speculation shrinks as the batch grows and stops where it no
+   longer pays;
+4. streams each sequence's new tokens and retires the finished, cancelled ones, moving the
+   last slot into the freed one so the running slots stay contiguous.
+
+Prefill chunks run as passes of their own: in the padded layout a chunk of hundreds of rows
+in the decode pass would pad every decoding sequence to its length.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from opentelemetry import trace
+
+from engine.adaptive import PassCosts, expected_tokens
+from engine.batched_runner import BatchedRunner, Feed
+from engine.decoding import Speculation
+from engine.logits_processors import LogitsProcessing
+from engine.logprobs import LogprobRecorder
+from engine.output import OutputAssembler
+from engine.proposers.base import Proposal
+from engine.step import StepRow, run_step
+from engine.types import GenerationStats, Method, StreamDelta
+
+if TYPE_CHECKING:
+    from engine.service import RequestHandle
+
+_tracer = trace.get_tracer("specgate.engine")
+
+
+class BatchCosts(PassCosts):
+    """The engine's pass costs seen by one sequence in a batch of ``batch``: a pass where each
+    sequence feeds ``tokens`` rows costs what a pass of ``batch * tokens`` rows costs (the
+    target's work grows with the rows fed; on a memory-bound device it stays flat until the
+    weights stop dominating, on two CPU cores it grows almost at once)."""
+
+    def __init__(self, costs: PassCosts, batch: int) -> None:
+        super().__init__()
+        self.costs = costs
+        self.batch = batch
+
+    def target(self, tokens: int) -> float | None:
+        return self.costs.target(self.batch * tokens)
+
+    def proposer(self, method: str) -> float:
+        return self.costs.proposer(method)
+
+    def record_target(self, tokens: int, seconds: float) -> None:
+        self.costs.record_target(self.batch * tokens, seconds)
+
+    def record_proposer(self, method: str, seconds: float) -> None:
+        self.costs.record_proposer(method, seconds)
+
+
+def best_length(alpha: float, costs: PassCosts, method: str, max_k: int) -> int:
+    """The k that maximises tokens per second at a steady acceptance ``alpha`` (0: plain)."""
+    plain = costs.target(1)
+    if not plain:
+        return max_k
+    best_k, best_rate = 0, 1.0 / plain
+    for k in range(1, max_k + 1):
+        rate = expected_tokens(alpha, k) / (
+            k * costs.proposer(method) + (costs.target(k + 1) or plain)
+        )
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+@dataclass
+class ActiveSequence:
+    """One request in the running batch."""
+
+    handle: RequestHandle
+    method: Method
+    speculation: Speculation | None
+    stats: GenerationStats
+    generator: torch.Generator
+    output: OutputAssembler
+    context: list[int]
+    reserved: int  # KV positions this request may need: prompt + max_tokens
+    processing: LogitsProcessing | None = None
+    recorder: LogprobRecorder | None = None
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens cached so far; the target is len(prompt) - 1
+    remaining: int = 0
+    done: bool = False
+    span: trace.Span | None = None
+    started_decoding: bool = field(default=False)
+
+    @property
+    def prefill_target(self) -> int:
+        return self.stats.num_prompt_tokens - 1
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled >= self.prefill_target
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_kv_tokens: int | None  # padded positions over all slots; None: max_num_seqs x context
+
+
+class BatchScheduler:
+    def __init__(
+        self,
+        runner: BatchedRunner,
+        limits: BatchLimits,
+        costs: PassCosts,
+        admit: Callable[[RequestHandle], ActiveSequence | None],
+        finish: Callable[[ActiveSequence], None],
+    ) -> None:
+        self.runner = runner
+        self.limits = limits
+        self.costs = costs
+        self._admit = admit
+        self._finish = finish
+        self.running: list[ActiveSequence] = []
+        self.waiting: deque[RequestHandle] = deque()
+        self.last_batch_size = 0
+
+    def run(self, requests: queue.Queue[RequestHandle | None]) -> None:
+        """Serve until ``None`` arrives on ``requests`` and every request before it is done."""
+        stopping = False
+        while not (stopping and not self.running and not self.waiting):
+            if not stopping:
+                stopping = not self._take(requests, block=not (self.running or self.waiting))
+            self._admit_waiting()
+            try:
+                self._prefill()
+                self._decode()
+            except Exception as exc:  # delivered to every running caller; the worker lives on
+                for seq in self.running:
+                    seq.handle.put(exc)
+                    seq.done = True
+            self._retire()
+
+    def _take(self, requests: queue.Queue[RequestHandle | None], block: bool) -> bool:
+        """Move requests from the bounded queue to ``waiting``, only as many as free slots
+        (at least the head of the line): the rest stay in the queue, whose bound keeps
+        overload an immediate ``QueueFullError``. False once the ``None`` sentinel arrives."""
+        while len(self.waiting) < max(1, self.limits.max_num_seqs - len(self.running)):
+            try:
+                handle = requests.get(block=block)
+            except queue.Empty:
+                return True
+            if handle is None:
+                return False
+            self.waiting.append(handle)
+            block = False
+        return True
+
+    def _fits(self, reserved: int) -> bool:
+        budget = self.limits.max_kv_tokens
+        if budget is None:
+            return True
+        longest = max([reserved, *(seq.reserved for seq in self.running)])
+        return (len(self.running) + 1) * longest <= budget
+
+    def _admit_waiting(self) -> None:
+        while self.waiting and len(self.running) < self.limits.max_num_seqs:
+            handle = self.waiting[0]
+            if handle.cancelled:
+                self.waiting.popleft()
+                continue
+            needed = len(handle.request.prompt_ids) + handle.request.sampling.max_tokens
+            if self.running and not self._fits(needed):
+                return  # waits for a sequence to leave (first come, first served)
+            self.waiting.popleft()
+            try:
+                seq = self._admit(handle)
+            except Exception as exc:
+                handle.put(exc)
+                continue
+            if seq is None:
+                continue
+            seq.slot = len(self.running)
+            self.runner.release(seq.slot)
+            seq.span = _tracer.start_span("specgate.prefill", context=handle.otel_context)
+            seq.span.set_attribute("specgate.prompt_tokens", len(seq.context))
+            self.running.append(seq)
+
+    def _prefill(self) -> None:
+        """Prompt chunks within the step's budget, the prompt with the least left first: a
+        short request arriving behind a long prompt gets its first token after one step."""
+        decoding = sum(1 for seq in self.running if seq.decoding and not seq.done)
+        budget = max(self.limits.max_num_batched_tokens - decoding, 1)
+        pending = sorted(self.running, key=lambda seq: seq.prefill_target - seq.prefilled)
+        for seq in pending:
+            if budget <= 0:
+                return
+            if seq.decoding or seq.done:
+                continue
+            if seq.handle.cancelled:
+                seq.done = True
+                continue
+            end = min(seq.prefill_target, seq.prefilled + budget)
+            self.runner.forward([Feed(seq.slot, seq.context[seq.prefilled : end])], last_only=True)
+            budget -= end - seq.prefilled
+            seq.prefilled = end
+
+    def _start_decoding(self, seq: ActiveSequence) -> None:
+        seq.started_decoding = True
+        if seq.span is not None:
+            seq.span.end()
+        seq.span = _tracer.start_span("specgate.decode", context=seq.handle.otel_context)
+        if seq.speculation is not None:
+            seq.speculation.proposer.start(list(seq.context))
+
+    def _decode(self) -> None:
+        active = [seq for seq in self.running if seq.decoding and not seq.done]
+        for seq in active:
+            if seq.handle.cancelled:
+                seq.done = True
+        active = [seq for seq in active if not seq.done]
+        if not active:
+            return
+        self.last_batch_size = len(active)
+        batch_costs = BatchCosts(self.costs, len(active))
+        rows = []
+        for seq in active:
+            if not seq.started_decoding:
+                self._start_decoding(seq)
+            rows.append(
+                StepRow(
+                    seq.slot,
+                    seq.context,
+                    self._propose(seq, batch_costs),
+                    seq.handle.request.sampling,
+                    seq.generator,
+                    seq.processing,
+                    None if seq.recorder is None else seq.recorder.observe,
+                )
+            )
+        width = max(len(row.proposal.tokens) for row in rows) + 1
+        started = time.perf_counter()
+        verdicts = run_step(self.runner, rows)
+        batch_costs.record_target(width, time.perf_counter() - started)
+        for seq, row, verdict in zip(active, rows, verdicts, strict=True):
+            proposal = row.proposal
+            new_tokens = [*(proposal.tokens[i] for i in verdict.path), verdict.next_token]
+            seq.context.extend(new_tokens)
+            stats = seq.stats
+            stats.num_target_passes += 1
+            stats.proposal_lengths.append(len(proposal.tokens))
+            if proposal.tokens:
+                stats.num_drafts += 1
+                stats.num_draft_tokens += len(proposal.tokens)
+                stats.num_accepted_tokens += len(verdict.path)
+            if seq.speculation is not None:
+                seq.speculation.proposer.accepted(seq.context)
+                seq.speculation.length.record(len(proposal.tokens), len(verdict.path))
+            seq.remaining -= len(new_tokens)
+            self._deliver(seq, new_tokens)
+
+    def _propose(self, seq: ActiveSequence, costs: BatchCosts) -> Proposal:
+        speculation = seq.speculation
+        if speculation is None:
+            return Proposal([])
+        speculation.length.costs = costs
+        k = min(speculation.next_k(seq.stats.num_target_passes), seq.remaining - 1)
+        if k <= 0:
+            return Proposal([])
+        started = time.perf_counter()
+        proposal = speculation.proposer.propose(
+            seq.context,
+            k,
+            seq.handle.request.sampling,
+            seq.generator,
+            speculation.min_confidence,
+            seq.processing,
+        )
+        if proposal.tokens:
+            self.costs.record_proposer(
+                speculation.proposer.method, (time.perf_counter() - started) / len(proposal.tokens)
+            )
+        return proposal
+
+    def _deliver(self, seq: ActiveSequence, tokens: list[int]) -> None:
+        handle, stats = seq.handle, seq.stats
+        before = len(seq.output.token_ids)
+        piece = seq.output.add(tokens)
+        logprobs = None
+        if seq.recorder is not None:
+            logprobs = seq.recorder.take(before, len(seq.output.token_ids))
+        if not stats.time_to_first_token_s:
+            stats.time_to_first_token_s = time.perf_counter() - handle.submitted_at
+        stats.num_output_tokens = len(seq.output.token_ids)
+        if piece.finish_reason is not None or seq.remaining <= 0:
+            stats.total_time_s = time.perf_counter() - handle.submitted_at
+            reason = piece.finish_reason or "length"
+            handle.put(StreamDelta(piece.text, tuple(piece.token_ids), reason, stats, logprobs))
+            seq.done = True
+        elif piece.token_ids or piece.text:
+            handle.put(StreamDelta(piece.text, tuple(piece.token_ids), logprobs=logprobs))
+
+    def _retire(self) -> None:
+        for seq in [seq for seq in self.running if seq.done or seq.handle.cancelled]:
+            self._close(seq)
+        self.running = [seq for seq in self.running if not seq.done]
+        for slot, seq in enumerate(self.running):
+            if seq.slot != slot:
+                self.runner.move_slot(seq.slot, slot)
+                seq.slot = slot
+
+    def _close(self, seq: ActiveSequence) -> None:
+        seq.done = True
+        self.runner.release(seq.slot)
+        if seq.span is not None:
+            if seq.started_decoding:
+                annotate(seq.span, seq.stats)
+            seq.span.end()
+            seq.span = None
+        self._finish(seq)
+
+
+def annotate(span: trace.Span, stats: GenerationStats) -> None:
+    span.set_attributes(
+        {
+            "specgate.speculative.method": stats.method,
+            "specgate.speculative.num_draft_tokens": stats.num_draft_tokens,
+            "specgate.speculative.num_accepted_tokens": stats.num_accepted_tokens,
+            "specgate.speculative.acceptance_rate": stats.acceptance_rate,
+            "specgate.speculative.num_target_passes": stats.num_target_passes,
+            "specgate.speculative.fallback_active": stats.fallback_active,
+            "specgate.output_tokens": stats.num_output_tokens,
+        }
+    )

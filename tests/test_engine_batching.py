@@ -1,0 +1,199 @@
+"""Continuous batching: every sequence of a shared batch gets what it would get alone.
+
+Greedy outputs equal the request decoded alone (float32), whatever the mix of methods, k,
+lengths and stop conditions, with requests joining mid-batch and others cancelled; seeded
+sampled outputs do not depend on what else shares the batch; the batched runner's tree pass
+and path compaction give the logits of the equivalent chain.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from engine.batched_runner import BatchedRunner, Feed
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.model_runner import ModelRunner
+from engine.service import Engine
+from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from tests.test_engine_sampling import (
+    SAMPLES,
+    SIGNIFICANCE,
+    chi_square_p_value,
+    exact_pair_distribution,
+)
+from tests.tiny_models import build_noisy_copy, build_pair
+
+NO_FALLBACK = SpeculativeConfig(
+    method="none", acceptance_threshold=0.0, min_speedup=0.0, prompt_lookup_max=3
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("batching")
+    target, _ = build_pair(root)
+    draft = build_noisy_copy(target, root / "close", noise=0.3)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def engine(models: tuple[Path, Path]) -> Iterator[Engine]:
+    target, draft = models
+    config = EngineConfig(
+        target=target,
+        draft=draft,
+        dtype="float32",
+        speculative=NO_FALLBACK,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,  # long prompts prefill in several chunks beside decoding
+    )
+    eng = Engine.load(config)
+    assert eng.batching
+    yield eng
+    eng.close()
+
+
+def make_request(
+    prompt: list[int], method: str, k: int | None, max_tokens: int, **sampling: object
+) -> GenerationRequest:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)  # type: ignore[arg-type]
+    return GenerationRequest(tuple(prompt), params, SpeculativeChoice(method, k))  # type: ignore[arg-type]
+
+
+requests = st.tuples(
+    st.lists(st.integers(min_value=3, max_value=319), min_size=1, max_size=40),
+    st.sampled_from(["none", "ngram", "draft"]),
+    st.one_of(st.none(), st.integers(min_value=1, max_value=6)),
+    st.integers(min_value=1, max_value=24),
+)
+
+
+@settings(max_examples=6, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mix=st.lists(requests, min_size=2, max_size=6), late=st.integers(min_value=0, max_value=5))
+def test_greedy_outputs_in_a_batch_equal_each_request_alone(
+    engine: Engine, mix: list[tuple[list[int], str, int | None, int]], late: int
+) -> None:
+    built = [make_request(p, m, k, n, temperature=0.0) for p, m, k, n in mix]
+    alone = [engine.generate(request).token_ids for request in built]
+    # The first `late` requests start; the rest join once the first has streamed a token.
+    first = [engine.submit(request) for request in built[:late]]
+    if first:
+        next(iter(first[0]))
+    handles = first + [engine.submit(request) for request in built[late:]]
+    assert [handle.result().token_ids for handle in handles] == alone
+
+
+def test_cancelled_neighbours_leave_the_others_unchanged(engine: Engine) -> None:
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [40, 41, 42, 43, 44, 45]]
+    built = [make_request(p, "ngram", None, 30, temperature=0.0) for p in prompts]
+    alone = [engine.generate(request).token_ids for request in built]
+    doomed = [engine.submit(make_request([7] * 30, "draft", 4, 200, temperature=0.0))]
+    handles = [engine.submit(request) for request in built]
+    next(iter(doomed[0]))
+    doomed[0].cancel()
+    assert [handle.result().token_ids for handle in handles] == alone
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engine: Engine) -> None:
+    seeded = make_request([5, 6, 7], "draft", 3, 40, temperature=1.0, seed=1234)
+    alone = engine.generate(seeded).token_ids
+    others = [
+        make_request([20 + i, 21, 22], method, 2, 40, temperature=0.8)
+        for i, method in enumerate(["none", "ngram", "draft"])
+    ]
+    handles = [engine.submit(request) for request in others[:2]]
+    mine = engine.submit(seeded)
+    handles.append(engine.submit(others[2]))
+    assert mine.result().token_ids == alone
+    for handle in handles:
+        handle.result()
+
+
+def test_concurrent_submitters_all_complete(engine: Engine) -> None:
+    results: list[tuple[int, ...]] = []
+    lock = threading.Lock()
+    built = [make_request([3 + i, 4, 5], "none", None, 12, temperature=0.0) for i in range(8)]
+
+    def client(request: GenerationRequest) -> None:
+        tokens = engine.generate(request).token_ids
+        with lock:
+            results.append(tokens)
+
+    threads = [threading.Thread(target=client, args=(r,)) for r in built]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sorted(results) == sorted(engine.generate(r).token_ids for r in built)
+
+
+def test_tree_pass_and_keep_path_match_the_chain(models: tuple[Path, Path]) -> None:
+    model = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32)
+    batched, single = BatchedRunner(model, 3), ModelRunner(model)
+    prefix, other = [5, 6, 7, 8, 9], [30, 31, 32, 33, 34, 35, 36, 37]
+    batched.forward([Feed(1, other)], last_only=True)
+    batched.forward([Feed(0, prefix[:-1])], last_only=True)
+    # Tree under the last token 9: nodes 0 (11) and 1 (12) are root children, 2 (13) under
+    # 0, 3 (14) under 1; the other sequence decodes a chain of 3 beside it.
+    tree = batched.forward([Feed(0, [9, 11, 12, 13, 14], (-1, -1, 0, 1)), Feed(1, [38, 39, 40])])[0]
+    single.forward(prefix[:-1], last_only=True)
+    chain = single.forward([9, 12, 14])
+    for tree_row, chain_row in ((0, 0), (2, 1), (4, 2)):
+        torch.testing.assert_close(tree[tree_row], chain[chain_row], rtol=0, atol=1e-4)
+    batched.keep_path(0, len(prefix), [1, 3])
+    assert batched.lengths[0] == len(prefix) + 2
+    after = batched.forward([Feed(0, [15])])[0]
+    torch.testing.assert_close(after[0], single.forward([15])[0], rtol=0, atol=1e-4)
+
+
+def test_a_short_request_is_not_stuck_behind_a_long_prompt(engine: Engine) -> None:
+    # The fixture's budget is 16 rows a step: the long prompt takes 25 steps to prefill.
+    long = engine.submit(
+        make_request([3 + i % 300 for i in range(400)], "none", None, 4, temperature=0.0)
+    )
+    short_request = make_request([5, 6, 7], "none", None, 4, temperature=0.0)
+    short = engine.submit(short_request)
+    short_result, long_result = short.result(), long.result()
+    assert short_result.stats.total_time_s < long_result.stats.time_to_first_token_s
+    assert short_result.token_ids == engine.generate(short_request).token_ids
+
+
+@pytest.mark.slow
+def test_sampling_stays_exact_per_sequence_in_a_shared_batch(engine: Engine) -> None:
+    """Draft speculation sampled while plain and n-gram requests share every batch: the
+    first two tokens follow the target's distribution (Pearson, as in test_engine_sampling)."""
+    params = SamplingParams(max_tokens=2, temperature=1.0, ignore_eos=True)
+    prompt = engine.tokenizer.encode("def add(a, b):\n")
+    counts: Counter[tuple[int, int]] = Counter()
+    wave = 8
+    for start in range(0, SAMPLES, wave):
+        mine = [
+            engine.submit(
+                GenerationRequest(
+                    tuple(prompt),
+                    SamplingParams(**{**params.__dict__, "seed": seed}),
+                    SpeculativeChoice("draft", 2),
+                )
+            )
+            for seed in range(start, min(start + wave, SAMPLES))
+        ]
+        neighbours = [
+            engine.submit(make_request([9 + i, 10, 11], method, 3, 6, temperature=0.7))
+            for i, method in enumerate(["none", "ngram", "draft"])
+        ]
+        for handle in mine:
+            tokens = handle.result().token_ids
+            counts[(tokens[0], tokens[1])] += 1
+        for handle in neighbours:
+            handle.result()
+    exact = exact_pair_distribution(engine, prompt, params)
+    assert chi_square_p_value(counts, exact) > SIGNIFICANCE
