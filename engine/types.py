@@ -74,6 +74,22 @@ class GenerationStats:
     fallback_active: bool = False
     time_to_first_token_s: float = 0.0
     total_time_s: float = 0.0
+    # Accepted tokens by position in the accepted path (vLLM's
+    # spec_decode_num_accepted_tokens_per_pos): entry i counts steps that accepted > i tokens.
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record_step(self, proposed: int, accepted: int) -> None:
+        """One target pass that verified ``proposed`` tokens and accepted ``accepted``."""
+        self.num_target_passes += 1
+        if not proposed:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (accepted - len(per_pos)))
+        for i in range(accepted):
+            per_pos[i] += 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -103,6 +119,7 @@ class GenerationStats:
             "time_to_first_token_s": self.time_to_first_token_s,
             "total_time_s": self.total_time_s,
             "tokens_per_second": self.tokens_per_second,
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
         }
 
 
