@@ -17,6 +17,7 @@ _VLLM_METHODS: dict[str, Method] = {
     "ngram": "ngram",
     "draft_model": "draft",
     "draft": "draft",
+    "medusa": "medusa",
 }
 
 
@@ -93,6 +94,9 @@ class EngineConfig(BaseModel):
 
     target: Path
     draft: Path | None = None
+    heads: Path | None = Field(
+        default=None, description="Medusa heads trained on the target (specgate heads train)."
+    )
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     dtype: DType = "auto"
     device: str | None = Field(
@@ -119,6 +123,8 @@ class EngineConfig(BaseModel):
     def _draft_needed(self) -> EngineConfig:
         if self.speculative.method == "draft" and self.draft is None:
             raise ValueError("speculative.method 'draft' needs a draft model directory")
+        if self.speculative.method == "medusa" and self.heads is None:
+            raise ValueError("speculative.method 'medusa' needs a heads directory")
         return self
 
 

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from opentelemetry import context as otel_context
@@ -25,6 +26,7 @@ from engine.adaptive import FallbackMonitor, PassCosts, RunLengths, SpeculationL
 from engine.compat import continues_exactly
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill
+from engine.heads.medusa import MedusaHeads, load_heads
 from engine.loading import (
     check_draft_compatible,
     context_window,
@@ -37,6 +39,7 @@ from engine.loading import (
 from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
 from engine.proposers import DraftModelProposer, NgramProposer, Proposer
+from engine.proposers.medusa import MedusaProposer
 from engine.proposers.translating import TranslatingDraftProposer
 from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
 from engine.types import (
@@ -176,6 +179,8 @@ class Engine:
         on_fallback: FallbackListener | None = None,
         draft_tokenizer: PreTrainedTokenizerBase | None = None,
         draft_vocabulary: torch.Tensor | None = None,
+        heads: MedusaHeads | None = None,
+        heads_version: str | None = None,
     ) -> None:
         """``draft_tokenizer`` given: the draft has its own tokenizer, and proposes through
         ``TranslatingDraftProposer``."""
@@ -186,6 +191,7 @@ class Engine:
         self.target_version = target_version
         self.draft_name = config.draft.name if draft is not None and config.draft else None
         self.draft_version = draft_version
+        self.heads_version = heads_version
         self.max_context = context_window(target.config)
         self.vocab_size = embedding_rows(target)
         self.device = target.device
@@ -213,6 +219,10 @@ class Engine:
                 proposable_ids=min(len(tokenizer), input_rows(draft), self.vocab_size),
                 window=context_window(draft.config),
                 vocabulary=draft_vocabulary,
+            )
+        if heads is not None:
+            self._proposers["medusa"] = MedusaProposer(
+                heads, trees_allowed=self._target.supports_trees
             )
         if not self.can_speculate:
             self._proposers = {}
@@ -268,16 +278,23 @@ class Engine:
                 draft_vocabulary = load_head_vocabulary(config.draft, embedding_rows(draft))
             if draft_vocabulary is not None:
                 restrict_head(draft, draft_vocabulary)
+        target_version = model_version(config.target)
+        heads = heads_version = None
+        if config.heads is not None:
+            heads = _load_medusa(config.heads, target, target_version)
+            heads_version = model_version(config.heads)
         return cls(
             config,
             target,
             tokenizer,
-            model_version(config.target),
+            target_version,
             draft,
             draft_version,
             on_fallback,
             translated,
             draft_vocabulary,
+            heads,
+            heads_version,
         )
 
     @property
@@ -453,12 +470,16 @@ class Engine:
         prompt = list(request.prompt_ids)
         output = OutputAssembler(self.tokenizer, params, prompt, self._eos)
 
+        wants_hidden = plan.speculation is not None and getattr(
+            plan.speculation.proposer, "wants_hidden", False
+        )
         with _tracer.start_as_current_span("specgate.prefill") as span:
             span.set_attribute("specgate.prompt_tokens", len(prompt))
-            prefill(self._target, prompt)
+            prompt_hidden = prefill(self._target, prompt, want_hidden=wants_hidden)
         with _tracer.start_as_current_span("specgate.decode") as span:
             steps = decode(
-                self._target, prompt, params, generator, stats, plan.speculation, self._costs
+                self._target, prompt, params, generator, stats, plan.speculation, self._costs,
+                prompt_hidden,
             )
             for tokens in steps:
                 if handle.cancelled:
@@ -487,6 +508,15 @@ class Engine:
                 steps=stats.num_target_passes,
                 plain_steps=plan.speculation.length.plain_steps if adaptive else 0,
             )
+
+
+def _load_medusa(heads_dir: Path, target: PreTrainedModel, target_version: str) -> MedusaHeads:
+    head = target.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    heads = load_heads(
+        heads_dir, head, int(target.config.hidden_size), embedding_rows(target), target_version
+    )
+    return heads.to(device=target.device, dtype=target.dtype)
 
 
 def _annotate(span: trace.Span, stats: GenerationStats) -> None:

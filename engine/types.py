@@ -9,11 +9,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-Method = Literal["none", "ngram", "draft"]
-METHODS: tuple[Method, ...] = ("none", "ngram", "draft")
+Method = Literal["none", "ngram", "draft", "medusa"]
+METHODS: tuple[Method, ...] = ("none", "ngram", "draft", "medusa")
 # Proposers that run a model: their proposals cost time, so a low acceptance rate alone
 # says they do not pay (the default acceptance threshold applies to them only).
-MODEL_BASED_METHODS: frozenset[Method] = frozenset({"draft"})
+MODEL_BASED_METHODS: frozenset[Method] = frozenset({"draft", "medusa"})
 FinishReason = Literal["stop", "length"]
 
 
