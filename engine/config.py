@@ -55,6 +55,11 @@ class SpeculativeConfig(BaseModel):
         default=None, ge=1, description="Decode plainly while at least this many requests wait."
     )
 
+    medusa_tree: list[list[int]] | None = Field(
+        default=None,
+        description="Medusa's static tree as paths of top-k ranks, e.g. [[0], [1], [0, 0]] "
+        "(each after its parent); None: the built-in tree (engine.proposers.medusa).",
+    )
     acceptance_thresholds: dict[Method, float] = Field(
         default_factory=dict,
         description="Acceptance threshold per method, overriding acceptance_threshold (e.g. "
@@ -131,7 +136,8 @@ class EngineConfig(BaseModel):
 def speculative_config_from_vllm(
     text_or_obj: str | dict[str, Any],
 ) -> tuple[SpeculativeConfig, Path | None]:
-    """Read vLLM's ``--speculative-config`` JSON; returns our config and the draft model path.
+    """Read vLLM's ``--speculative-config`` JSON; returns our config and its ``model`` path
+    (the draft model, or for ``medusa`` the heads directory).
 
     Only the keys Specgate implements are accepted; anything else is an error that names it,
     so that an operator never believes a setting was carried over when it was not.
@@ -167,7 +173,7 @@ def speculative_config_from_vllm(
         fields["prompt_lookup_min"] = min(1, fields["prompt_lookup_max"])
     if "disable_by_batch_size" in obj:
         fields["disable_by_queue_depth"] = obj["disable_by_batch_size"]
-    draft = Path(obj["model"]) if method == "draft" and obj.get("model") else None
-    if method == "draft" and draft is None:
-        raise ValueError("--speculative-config method 'draft_model' needs 'model'")
-    return SpeculativeConfig(**fields), draft
+    model = Path(obj["model"]) if method in ("draft", "medusa") and obj.get("model") else None
+    if method in ("draft", "medusa") and model is None:
+        raise ValueError(f"--speculative-config method {method_name!r} needs 'model'")
+    return SpeculativeConfig(**fields), model

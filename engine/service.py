@@ -39,7 +39,7 @@ from engine.loading import (
 from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
 from engine.proposers import DraftModelProposer, NgramProposer, Proposer
-from engine.proposers.medusa import MedusaProposer
+from engine.proposers.medusa import DEFAULT_MEDUSA_TREE, MedusaProposer
 from engine.proposers.translating import TranslatingDraftProposer
 from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
 from engine.types import (
@@ -192,6 +192,15 @@ class Engine:
         self.draft_name = config.draft.name if draft is not None and config.draft else None
         self.draft_version = draft_version
         self.heads_version = heads_version
+        # Every versioned artefact speculation loads besides the target, for the audit log.
+        self.artefacts: tuple[dict[str, str], ...] = tuple(
+            {"kind": kind, "name": path.name, "version": version}
+            for kind, path, version in (
+                ("draft_model", config.draft, draft_version),
+                ("medusa_heads", config.heads, heads_version),
+            )
+            if path is not None and version is not None
+        )
         self.max_context = context_window(target.config)
         self.vocab_size = embedding_rows(target)
         self.device = target.device
@@ -221,8 +230,11 @@ class Engine:
                 vocabulary=draft_vocabulary,
             )
         if heads is not None:
+            tree = spec.medusa_tree
             self._proposers["medusa"] = MedusaProposer(
-                heads, trees_allowed=self._target.supports_trees
+                heads,
+                tuple(tuple(p) for p in tree) if tree is not None else DEFAULT_MEDUSA_TREE,
+                trees_allowed=self._target.supports_trees,
             )
         if not self.can_speculate:
             self._proposers = {}

@@ -33,7 +33,7 @@ class HeadsSpec:
     answer_tokens: int = 96
     generation_batch: int = 32
     steps: int = 300
-    rows_per_step: int = 512
+    rows_per_step: int = 256
     lr: float = 1e-3
     seed: int = 0
 

@@ -37,6 +37,8 @@ class BackendCard:
     speculative_config: dict[str, Any]
     default_method: Method
     default_num_speculative_tokens: int | None
+    # Versioned artefacts besides the target: {"kind", "name", "version"} each.
+    artefacts: tuple[dict[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class LocalBackend:
             speculative_config=spec.model_dump(mode="json"),
             default_method=spec.method,
             default_num_speculative_tokens=spec.num_speculative_tokens,
+            artefacts=engine.artefacts,
         )
 
     @classmethod
