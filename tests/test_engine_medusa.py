@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import decoding
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.heads.medusa import HeadsMismatchError, load_heads
 from engine.heads.train import HeadsSpec, train_medusa
 from engine.loading import load_model, load_tokenizer
+from engine.proposers.base import Proposal
+from engine.sampling import TreeVerdict, verify_tree_greedy
 from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.versioning import model_version
@@ -77,7 +80,20 @@ def test_training_is_deterministic(trained: tuple[Path, Path], tmp_path: Path) -
 
 
 @pytest.mark.parametrize("k", [None, 3, 10])
-def test_greedy_medusa_equals_plain_decoding(engine: Engine, k: int | None) -> None:
+def test_greedy_medusa_equals_plain_decoding(
+    engine: Engine, k: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    branches: list[bool] = []
+
+    def recording(proposal: Proposal, logits: torch.Tensor) -> TreeVerdict:
+        verdict = verify_tree_greedy(proposal, logits)
+        # Whether the accepted path left the chain of first children (a real tree branch).
+        firsts = {min(i for i, p in enumerate(proposal.parent_indices()) if p == parent)
+                  for parent in set(proposal.parent_indices())}
+        branches.append(any(node not in firsts for node in verdict.path))
+        return verdict
+
+    monkeypatch.setattr(decoding, "verify_tree_greedy", recording)
     accepted = 0
     for text in ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n    def"]:
         prompt = tuple(engine.tokenizer.encode(text))
@@ -88,6 +104,8 @@ def test_greedy_medusa_equals_plain_decoding(engine: Engine, k: int | None) -> N
         assert medusa.stats.num_drafts > 0
         accepted += medusa.stats.num_accepted_tokens
     assert accepted > 0, "the heads never got a token accepted: the test proves too little"
+    if k == 10:  # adaptive k may stay small; a 10-node tree must have taken a side branch
+        assert any(branches), "no accepted path left the first children: trees went untested"
 
 
 @pytest.mark.slow
