@@ -13,7 +13,9 @@ Method = Literal["none", "ngram", "draft", "medusa"]
 METHODS: tuple[Method, ...] = ("none", "ngram", "draft", "medusa")
 # Proposers that run a model: their proposals cost time, so a low acceptance rate alone
 # says they do not pay (the default acceptance threshold applies to them only).
-MODEL_BASED_METHODS: frozenset[Method] = frozenset({"draft", "medusa"})
+# Medusa is not among them: its acceptance rate counts every node of a tree, most of which
+# are alternatives that cannot all be accepted, so it is judged on its estimated speedup.
+MODEL_BASED_METHODS: frozenset[Method] = frozenset({"draft"})
 FinishReason = Literal["stop", "length"]
 
 
