@@ -378,3 +378,23 @@ def test_duplicate_deterministic_siblings_are_refused() -> None:
         verify_tree_sampled(
             Proposal([1, 1], parents=(-1, -1)), torch.stack([TARGET] * 3), torch.Generator()
         )
+
+
+def test_models_with_sliding_windows_verify_chains_only() -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+    )
+    runner = ModelRunner(MistralForCausalLM(config).eval())
+    assert not runner.supports_trees
+    runner.forward([1, 2, 3])
+    with pytest.raises(ValueError, match="chains only"):
+        runner.forward([4, 5, 6], positions=[3, 4, 4], tree_mask=ancestor_mask((-1, -1)))
+    runner.forward([4, 5, 6])
+    with pytest.raises(ValueError, match="prefixes only"):
+        runner.keep_path(4, (1,))
+    runner.keep_path(4, (0,))  # a chain's path is a plain truncate
+    assert runner.length == 5
