@@ -90,17 +90,18 @@ def decode(
 
         committed = len(context)
         fed = [context[-1], *proposal.tokens]
-        positions = mask = None
+        # A chain's pass takes the causal defaults: exactly the call it made before trees.
+        tree: dict[str, object] = {}
         if not proposal.is_chain:
             parents = proposal.parent_indices()
-            positions = [committed - 1 + d for d in (0, *depths(parents))]
-            mask = ancestor_mask(parents)
+            tree["positions"] = [committed - 1 + d for d in (0, *depths(parents))]
+            tree["tree_mask"] = ancestor_mask(parents)
         started = time.perf_counter()
         hidden = None
         if wants_hidden:
-            logits, hidden = target.forward_hidden(fed, positions=positions, tree_mask=mask)
+            logits, hidden = target.forward_hidden(fed, **tree)  # type: ignore[arg-type]
         else:
-            logits = target.forward(fed, positions=positions, tree_mask=mask)
+            logits = target.forward(fed, **tree)  # type: ignore[arg-type]
         verdict = _verify(proposal, logits, params, generator)
         if costs is not None:
             costs.record_target(len(fed), time.perf_counter() - started)
