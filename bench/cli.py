@@ -17,6 +17,9 @@ def bench(
     draft: Annotated[
         Path | None, typer.Option(help="Draft model directory (default: the demo pair's).")
     ] = None,
+    heads: Annotated[
+        Path | None, typer.Option(help="Medusa heads directory (specgate heads train).")
+    ] = None,
     prompts: Annotated[
         Path | None,
         typer.Option(help="JSON lines of {'prompt': ...} or {'messages': [...]} requests; "
@@ -53,7 +56,7 @@ def bench(
             f"{target} is not a model directory; build the demo pair with "
             "`specgate models build-demo` or pass --target", param_hint="--target"
         )
-    setup = BenchSetup(target=target, draft=draft, repeats=repeats, fixed_k=k)
+    setup = BenchSetup(target=target, draft=draft, repeats=repeats, fixed_k=k, heads=heads)
     engine = load_engine(setup)
     try:
         if prompts is None:

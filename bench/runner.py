@@ -31,6 +31,7 @@ class BenchSetup:
     draft: Path | None
     repeats: int
     fixed_k: int
+    heads: Path | None = None
 
 
 @dataclass
@@ -45,7 +46,9 @@ class BenchRun:
 def _engine_config(setup: BenchSetup) -> EngineConfig:
     # Fallback off: the benchmark measures each method itself, not the fallback policy.
     speculative = SpeculativeConfig(acceptance_threshold=0.0, min_speedup=0.0)
-    return EngineConfig(target=setup.target, draft=setup.draft, speculative=speculative)
+    return EngineConfig(
+        target=setup.target, draft=setup.draft, heads=setup.heads, speculative=speculative
+    )
 
 
 def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engine: Engine) -> BenchRun:

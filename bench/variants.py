@@ -61,8 +61,12 @@ def specgate_variants(methods: tuple[Method, ...], fixed_k: int) -> list[Variant
     return variants
 
 
+# Methods with a Hugging Face equivalent (transformers has no Medusa heads).
+HF_METHODS: frozenset[Method] = frozenset({"none", "ngram", "draft"})
+
+
 def hf_variants(methods: tuple[Method, ...]) -> list[Variant]:
-    return [Variant("hf", method, None) for method in methods]
+    return [Variant("hf", method, None) for method in methods if method in HF_METHODS]
 
 
 class Generator:

@@ -24,7 +24,10 @@ def generate(
     target: Annotated[Path, typer.Option(help="Target model directory (Hugging Face format).")],
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 64,
     draft: Annotated[Path | None, typer.Option(help="Draft model directory.")] = None,
-    method: Annotated[str, typer.Option(help="none | ngram | draft")] = "none",
+    heads: Annotated[
+        Path | None, typer.Option(help="Medusa heads directory (specgate heads train).")
+    ] = None,
+    method: Annotated[str, typer.Option(help="none | ngram | draft | medusa")] = "none",
     num_speculative_tokens: Annotated[
         int | None, typer.Option(help="Fixed k; adaptive when left out.")
     ] = None,
@@ -52,6 +55,7 @@ def generate(
         config = EngineConfig(
             target=target,
             draft=draft,
+            heads=heads,
             dtype=dtype,  # type: ignore[arg-type]
             device=device,
             speculative=SpeculativeConfig(

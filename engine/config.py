@@ -17,6 +17,7 @@ _VLLM_METHODS: dict[str, Method] = {
     "ngram": "ngram",
     "draft_model": "draft",
     "draft": "draft",
+    "medusa": "medusa",
 }
 
 
@@ -54,6 +55,11 @@ class SpeculativeConfig(BaseModel):
         default=None, ge=1, description="Decode plainly while at least this many requests wait."
     )
 
+    medusa_tree: list[list[int]] | None = Field(
+        default=None,
+        description="Medusa's static tree as paths of top-k ranks, e.g. [[0], [1], [0, 0]] "
+        "(each after its parent); None: the built-in tree (engine.proposers.medusa).",
+    )
     acceptance_thresholds: dict[Method, float] = Field(
         default_factory=dict,
         description="Acceptance threshold per method, overriding acceptance_threshold (e.g. "
@@ -93,6 +99,9 @@ class EngineConfig(BaseModel):
 
     target: Path
     draft: Path | None = None
+    heads: Path | None = Field(
+        default=None, description="Medusa heads trained on the target (specgate heads train)."
+    )
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     dtype: DType = "auto"
     device: str | None = Field(
@@ -143,13 +152,16 @@ class EngineConfig(BaseModel):
     def _draft_needed(self) -> EngineConfig:
         if self.speculative.method == "draft" and self.draft is None:
             raise ValueError("speculative.method 'draft' needs a draft model directory")
+        if self.speculative.method == "medusa" and self.heads is None:
+            raise ValueError("speculative.method 'medusa' needs a heads directory")
         return self
 
 
 def speculative_config_from_vllm(
     text_or_obj: str | dict[str, Any],
 ) -> tuple[SpeculativeConfig, Path | None]:
-    """Read vLLM's ``--speculative-config`` JSON; returns our config and the draft model path.
+    """Read vLLM's ``--speculative-config`` JSON; returns our config and its ``model`` path
+    (the draft model, or for ``medusa`` the heads directory).
 
     Only the keys Specgate implements are accepted; anything else is an error that names it,
     so that an operator never believes a setting was carried over when it was not.
@@ -185,7 +197,7 @@ def speculative_config_from_vllm(
         fields["prompt_lookup_min"] = min(1, fields["prompt_lookup_max"])
     if "disable_by_batch_size" in obj:
         fields["disable_by_queue_depth"] = obj["disable_by_batch_size"]
-    draft = Path(obj["model"]) if method == "draft" and obj.get("model") else None
-    if method == "draft" and draft is None:
-        raise ValueError("--speculative-config method 'draft_model' needs 'model'")
-    return SpeculativeConfig(**fields), draft
+    model = Path(obj["model"]) if method in ("draft", "medusa") and obj.get("model") else None
+    if method in ("draft", "medusa") and model is None:
+        raise ValueError(f"--speculative-config method {method_name!r} needs 'model'")
+    return SpeculativeConfig(**fields), model

@@ -81,6 +81,18 @@ class GrowableLayer(DynamicLayer):
         if self.is_initialized:
             self._set_length(self.length + tokens_to_remove)
 
+    def keep_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Move the positions ``rows`` (ascending, each at or after ``start``) to lie
+        contiguously from ``start`` and drop everything after them: an accepted tree path.
+        Copies only the kept rows (the index gathers them before anything is written)."""
+        if not self.is_initialized:
+            return
+        end = start + len(rows)
+        rows = rows.to(self._keys.device)
+        self._keys[:, :, start:end] = self._keys.index_select(2, rows)
+        self._values[:, :, start:end] = self._values.index_select(2, rows)
+        self._set_length(end)
+
     def reset(self) -> None:
         self.length = 0
         self.is_initialized = False
@@ -106,6 +118,16 @@ RecurrentStates = list[dict[int, torch.Tensor]]
 
 def _recurrent_layers(cache: DynamicCache) -> list[LinearAttentionCacheLayerMixin]:
     return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def supports_trees(cache: DynamicCache) -> bool:
+    """Whether every layer can keep an arbitrary accepted path (not just a prefix): only
+    growable full-attention layers can; a sliding window or a recurrent state records its
+    past in order, so such models verify chains only."""
+    replicated = cache.layer_class_to_replicate
+    return replicated in (None, GrowableLayer) and all(
+        isinstance(layer, GrowableLayer) for layer in cache.layers
+    )
 
 
 def has_recurrent_state(cache: DynamicCache) -> bool:

@@ -119,6 +119,19 @@ class LogitsProcessing:
             out.sub_(params.presence_penalty * (counts > 0).float())
 
 
+def proposal_paths(
+    tokens: Sequence[int], parents: Sequence[int] | None
+) -> list[list[int]]:
+    """Each fed row's path for a proposal tree (``parents`` None: a chain): row 0 has none,
+    row i + 1 the tokens from the root child down to node i, itself included."""
+    if parents is None:
+        return chain_paths(tokens)
+    paths: list[list[int]] = [[]]
+    for i, parent in enumerate(parents):
+        paths.append([*(paths[parent + 1] if parent >= 0 else []), tokens[i]])
+    return paths
+
+
 def chain_paths(tokens: Sequence[int]) -> list[list[int]]:
     """Each fed row's path for a chain proposal: row 0 (the last committed token) has none,
     row i+1 has the proposal's first i+1 tokens."""

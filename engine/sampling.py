@@ -7,10 +7,15 @@ top-k and top-p shape both distributions identically (Leviathan et al. 2023, Che
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from engine.tree import children
 from engine.types import SamplingParams
+
+if TYPE_CHECKING:  # engine.proposers imports this module
+    from engine.proposers.base import Proposal
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -46,46 +51,73 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """Outcome of verifying a proposal: how many proposed tokens stand, and the token after them."""
+class TreeVerdict:
+    """Outcome of verifying a proposal: the accepted node indices, root child first (a chain's
+    accepted prefix is 0..m-1), and the token after them."""
 
-    num_accepted: int
+    path: tuple[int, ...]
     next_token: int
 
 
-def verify_greedy(proposal: list[int], target_logits: torch.Tensor) -> Verdict:
-    """Accept while the proposal equals the target's argmax (logits ``[k+1, vocab]``)."""
+def verify_tree_greedy(proposal: Proposal, target_logits: torch.Tensor) -> TreeVerdict:
+    """Walk down the tree along the target's argmax (logits ``[n+1, vocab]``, row 0 at the
+    last committed token, row i+1 at node i); the first child carrying it is taken."""
     best = target_logits.argmax(dim=-1).tolist()
-    n = 0
-    while n < len(proposal) and proposal[n] == best[n]:
-        n += 1
-    return Verdict(n, best[n])
+    below = children(proposal.parent_indices())
+    tokens = proposal.tokens
+    path: list[int] = []
+    row = 0
+    while True:
+        node = next((c for c in below[row] if tokens[c] == best[row]), None)
+        if node is None:
+            return TreeVerdict(tuple(path), best[row])
+        path.append(node)
+        row = node + 1
 
 
-def verify_sampled(
-    proposal: list[int],
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    generator: torch.Generator,
-) -> Verdict:
-    """Speculative rejection sampling.
+def verify_tree_sampled(
+    proposal: Proposal, target_probs: torch.Tensor, generator: torch.Generator
+) -> TreeVerdict:
+    """Recursive rejection sampling over siblings (SpecInfer; EAGLE; Jeon et al. 2024).
 
-    Accept proposal token x with probability min(1, p(x)/q(x)); at the first rejection draw
-    from norm(max(0, p - q)); when all are accepted draw a bonus token from p. ``draft_probs``
-    of ``None`` means a deterministic proposer (n-gram lookup), whose q is one-hot.
+    At each accepted row try its children in order: accept child x with probability
+    min(1, p(x)/q(x)), q being the distribution x was drawn from (``proposal.probs``, one-hot
+    where None); on rejection replace p by norm(max(0, p - q)) and try the next sibling; when
+    all are rejected draw from what remains of p. A chain takes exactly the draws, in the same
+    order, of plain speculative rejection sampling (Leviathan et al. 2023).
+
+    With one-hot q a rejection zeroes p(x); a second sibling carrying x would then be tried
+    against a p that no longer holds it, which is a proposer's bug (it wastes the node), so
+    duplicate siblings of a deterministic proposal are refused.
     """
-    for i, token in enumerate(proposal):
-        p = target_probs[i]
-        if draft_probs is None:
-            q = torch.zeros_like(p)
-            q[token] = 1.0
-        else:
-            q = draft_probs[i]
-        ratio = (p[token] / q[token]).item() if q[token] > 0 else 0.0
-        u = torch.rand((), generator=generator, device=p.device).item()
-        if u < ratio:
-            continue
-        residual = torch.clamp(p - q, min=0.0)
-        total = residual.sum()
-        return Verdict(i, sample(residual / total if total > 0 else p, generator))
-    return Verdict(len(proposal), sample(target_probs[len(proposal)], generator))
+    below = children(proposal.parent_indices())
+    tokens, probs = proposal.tokens, proposal.probs
+    if probs is None:
+        for siblings in below:
+            if len({tokens[c] for c in siblings}) < len(siblings):
+                raise ValueError("a deterministic proposal has duplicate siblings")
+    path: list[int] = []
+    row = 0
+    while True:
+        p = target_probs[row]
+        accepted = None
+        for node in below[row]:
+            token = tokens[node]
+            if probs is None:
+                q = torch.zeros_like(p)
+                q[token] = 1.0
+            else:
+                q = probs[node]
+            ratio = (p[token] / q[token]).item() if q[token] > 0 else 0.0
+            u = torch.rand((), generator=generator, device=p.device).item()
+            if u < ratio:
+                accepted = node
+                break
+            residual = torch.clamp(p - q, min=0.0)
+            total = residual.sum()
+            if total > 0:
+                p = residual / total
+        if accepted is None:
+            return TreeVerdict(tuple(path), sample(p, generator))
+        path.append(accepted)
+        row = accepted + 1

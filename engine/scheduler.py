@@ -261,12 +261,8 @@ class BatchScheduler:
             new_tokens = [*(proposal.tokens[i] for i in verdict.path), verdict.next_token]
             seq.context.extend(new_tokens)
             stats = seq.stats
-            stats.num_target_passes += 1
+            stats.record_step(len(proposal.tokens), len(verdict.path))
             stats.proposal_lengths.append(len(proposal.tokens))
-            if proposal.tokens:
-                stats.num_drafts += 1
-                stats.num_draft_tokens += len(proposal.tokens)
-                stats.num_accepted_tokens += len(verdict.path)
             if seq.speculation is not None:
                 seq.speculation.proposer.accepted(seq.context)
                 seq.speculation.length.record(len(proposal.tokens), len(verdict.path))

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from engine.compat import continues_exactly
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill
 from engine.grammar import Grammars
+from engine.heads.medusa import MedusaHeads, load_heads
 from engine.loading import (
     check_draft_compatible,
     context_window,
@@ -43,6 +45,7 @@ from engine.logprobs import LogprobRecorder
 from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
 from engine.proposers import DraftModelProposer, NgramProposer, Proposer
+from engine.proposers.medusa import DEFAULT_MEDUSA_TREE, MedusaProposer
 from engine.proposers.translating import TranslatingDraftProposer
 from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
 from engine.scheduler import (
@@ -204,6 +207,8 @@ class Engine:
         on_fallback: FallbackListener | None = None,
         draft_tokenizer: PreTrainedTokenizerBase | None = None,
         draft_vocabulary: torch.Tensor | None = None,
+        heads: MedusaHeads | None = None,
+        heads_version: str | None = None,
     ) -> None:
         """``draft_tokenizer`` given: the draft has its own tokenizer, and proposes through
         ``TranslatingDraftProposer``."""
@@ -214,6 +219,16 @@ class Engine:
         self.target_version = target_version
         self.draft_name = config.draft.name if draft is not None and config.draft else None
         self.draft_version = draft_version
+        self.heads_version = heads_version
+        # Every versioned artefact speculation loads besides the target, for the audit log.
+        self.artefacts: tuple[dict[str, str], ...] = tuple(
+            {"kind": kind, "name": path.name, "version": version}
+            for kind, path, version in (
+                ("draft_model", config.draft, draft_version),
+                ("medusa_heads", config.heads, heads_version),
+            )
+            if path is not None and version is not None
+        )
         self.max_context = context_window(target.config)
         self.vocab_size = embedding_rows(target)
         self.device = target.device
@@ -244,14 +259,31 @@ class Engine:
                 window=context_window(draft.config),
                 vocabulary=draft_vocabulary,
             )
+        if heads is not None:
+            medusa_heads = heads
+            tree = spec.medusa_tree
+            medusa_tree = (
+                tuple(tuple(p) for p in tree) if tree is not None else DEFAULT_MEDUSA_TREE
+            )
+            self._new_proposer["medusa"] = lambda: MedusaProposer(
+                medusa_heads, medusa_tree, trees_allowed=self._target.supports_trees
+            )
         if not self.can_speculate:
             self._new_proposer = {}
         self._proposers: dict[Method, Proposer] = {
             method: make() for method, make in self._new_proposer.items()
         }
         # Continuous batching where every attention layer is plain full attention; other
-        # models (sliding-window, chunked, recurrent layers) are served one request at a time.
-        self.batching = supports_batching(target.config)
+        # models (sliding-window, chunked, recurrent layers) are served one request at a time,
+        # and so are Medusa heads, which need hidden states the batched runner does not return.
+        self._batching_blocked_by = (
+            None
+            if supports_batching(target.config)
+            else "sliding-window, chunked or recurrent layers"
+        )
+        if self._batching_blocked_by is None and heads is not None:
+            self._batching_blocked_by = "Medusa heads need hidden states per pass"
+        self.batching = self._batching_blocked_by is None
         self._batched = BatchedRunner(target, config.max_num_seqs) if self.batching else None
         self.available_methods: tuple[Method, ...] = ("none", *self._proposers)
         self._eos = _eos_ids(target, tokenizer)
@@ -308,16 +340,23 @@ class Engine:
                 draft_vocabulary = load_head_vocabulary(config.draft, embedding_rows(draft))
             if draft_vocabulary is not None:
                 restrict_head(draft, draft_vocabulary)
+        target_version = model_version(config.target)
+        heads = heads_version = None
+        if config.heads is not None:
+            heads = _load_medusa(config.heads, target, target_version)
+            heads_version = model_version(config.heads)
         return cls(
             config,
             target,
             tokenizer,
-            model_version(config.target),
+            target_version,
             draft,
             draft_version,
             on_fallback,
             translated,
             draft_vocabulary,
+            heads,
+            heads_version,
         )
 
     @property
@@ -337,7 +376,7 @@ class Engine:
         """How requests share the target, for the startup event."""
         if self.batching:
             return f"continuous (max_num_seqs={self.config.max_num_seqs})"
-        return "one request at a time (sliding-window, chunked or recurrent layers)"
+        return f"one request at a time ({self._batching_blocked_by})"
 
     def speculation_crossover(self, method: Method) -> float:
         """The smallest batch size at which a sequence at the method's current acceptance
@@ -558,9 +597,12 @@ class Engine:
         processing = self._processing(handle)
         recorder = self._recorder(params)
 
+        wants_hidden = plan.speculation is not None and getattr(
+            plan.speculation.proposer, "wants_hidden", False
+        )
         with _tracer.start_as_current_span("specgate.prefill") as span:
             span.set_attribute("specgate.prompt_tokens", len(prompt))
-            prefill(self._target, prompt)
+            prompt_hidden = prefill(self._target, prompt, want_hidden=wants_hidden)
         with _tracer.start_as_current_span("specgate.decode") as span:
             steps = decode(
                 self._target,
@@ -572,6 +614,7 @@ class Engine:
                 self._costs,
                 processing,
                 None if recorder is None else recorder.observe,
+                prompt_hidden,
             )
             for tokens in steps:
                 if handle.cancelled:
@@ -684,6 +727,15 @@ def _validate_processors(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(
             f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs"
         )
+
+
+def _load_medusa(heads_dir: Path, target: PreTrainedModel, target_version: str) -> MedusaHeads:
+    head = target.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    heads = load_heads(
+        heads_dir, head, int(target.config.hidden_size), embedding_rows(target), target_version
+    )
+    return heads.to(device=target.device, dtype=target.dtype)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -9,10 +9,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-Method = Literal["none", "ngram", "draft"]
-METHODS: tuple[Method, ...] = ("none", "ngram", "draft")
+Method = Literal["none", "ngram", "draft", "medusa"]
+METHODS: tuple[Method, ...] = ("none", "ngram", "draft", "medusa")
 # Proposers that run a model: their proposals cost time, so a low acceptance rate alone
 # says they do not pay (the default acceptance threshold applies to them only).
+# Medusa is not among them: its acceptance rate counts every node of a tree, most of which
+# are alternatives that cannot all be accepted, so it is judged on its estimated speedup.
 MODEL_BASED_METHODS: frozenset[Method] = frozenset({"draft"})
 FinishReason = Literal["stop", "length"]
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
@@ -31,6 +33,8 @@ class Constraint:
 
     kind: ConstraintKind
     spec: str
+
+
 # Where a request's acceptance figures come from: the engine that ran it, the remote
 # server's own per-request figures, or the server's counters over an interval
 # (gateway.backends.vllm_acceptance).
@@ -133,6 +137,22 @@ class GenerationStats:
     proposal_lengths: list[int] = field(default_factory=list)
     acceptance_source: AcceptanceSource = "engine"
     replica: str | None = None  # the remote server that generated it; None: in-process
+    # Accepted tokens by position in the accepted path (vLLM's
+    # spec_decode_num_accepted_tokens_per_pos): entry i counts steps that accepted > i tokens.
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record_step(self, proposed: int, accepted: int) -> None:
+        """One target pass that verified ``proposed`` tokens and accepted ``accepted``."""
+        self.num_target_passes += 1
+        if not proposed:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (accepted - len(per_pos)))
+        for i in range(accepted):
+            per_pos[i] += 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -164,6 +184,7 @@ class GenerationStats:
             "tokens_per_second": self.tokens_per_second,
             "acceptance_source": self.acceptance_source,
             "replica": self.replica,
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
         }
 
 

@@ -7,6 +7,7 @@ import typer
 
 from bench.cli import bench
 from engine.cli import generate, models_app
+from engine.heads.cli import heads_app
 from gateway.cli_admin import audit_app, db_app, keys_app
 from gateway.cli_privacy import compliance_app, privacy_app
 from gateway.cli_serve import serve
@@ -18,6 +19,7 @@ app.command()(generate)
 app.command()(serve)
 app.command()(bench)
 app.add_typer(models_app, name="models", help="Build and inspect model checkpoints.")
+app.add_typer(heads_app, name="heads", help="Train draft heads (Medusa) on a target.")
 app.add_typer(db_app, name="db", help="Database migrations.")
 app.add_typer(keys_app, name="keys", help="API keys and roles.")
 app.add_typer(audit_app, name="audit", help="Audit log verification.")

@@ -17,8 +17,11 @@ def serve(
         Path | None, typer.Option(help="Target model directory (default: demo pair).")
     ] = None,
     draft: Annotated[Path | None, typer.Option(help="Draft model directory.")] = None,
+    heads: Annotated[
+        Path | None, typer.Option(help="Medusa heads directory (specgate heads train).")
+    ] = None,
     method: Annotated[
-        str | None, typer.Option(help="Default speculation: none, ngram or draft.")
+        str | None, typer.Option(help="Default speculation: none, ngram, draft or medusa.")
     ] = None,
     num_speculative_tokens: Annotated[
         int | None, typer.Option(help="Fixed K; unset lets the engine adapt K.")
@@ -87,6 +90,7 @@ def serve(
             backend=backend_block,
             target=target,
             draft=draft,
+            heads=heads,
             method=method,
             num_speculative_tokens=num_speculative_tokens,
             speculative_config=speculative_config,

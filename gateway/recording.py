@@ -68,6 +68,7 @@ def models_in_use(card: BackendCard) -> dict[str, Any]:
         "target_version": card.target_version,
         "draft": card.draft_name,
         "draft_version": card.draft_version,
+        "artefacts": [dict(a) for a in card.artefacts],
     }
 
 

@@ -108,6 +108,9 @@ class Settings(BaseSettings):
         default=None, description="Target model directory; None serves the demo pair."
     )
     draft: Path | None = None
+    heads: Path | None = Field(
+        default=None, description="Medusa heads directory (specgate heads train)."
+    )
     method: Method | None = Field(
         default=None,
         description="Default speculation; None: 'draft' when a draft is loaded, else 'none'.",
@@ -446,23 +449,31 @@ DEMO_MODEL_NAME = "specgate-demo"
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine configuration the settings describe, checked before anything is loaded."""
     speculative = SpeculativeConfig()
-    draft = settings.draft
+    draft, heads = settings.draft, settings.heads
     if settings.speculative_config is not None:
-        speculative, vllm_draft = speculative_config_from_vllm(settings.speculative_config)
-        draft = draft or vllm_draft
+        speculative, vllm_model = speculative_config_from_vllm(settings.speculative_config)
+        if speculative.method == "medusa":
+            heads = heads or vllm_model
+        else:
+            draft = draft or vllm_model
     target = settings.target
     demo_without_draft = False
     if target is None:
         target, demo_draft = _demo_pair()
         draft = draft or demo_draft
         demo_without_draft = draft is None
-    for name, path in (("target", target), ("draft", draft)):
+    for name, path in (("target", target), ("draft", draft), ("heads", heads)):
         if path is not None and not path.is_dir():
             raise ConfigError(f"{name}: {path} is not a model directory")
     method = settings.method
     if method is None and settings.speculative_config is None:
         # The demo serves with n-gram lookup until its draft is built.
-        method = "draft" if draft is not None else "ngram" if demo_without_draft else "none"
+        method = (
+            "draft" if draft is not None
+            else "medusa" if heads is not None
+            else "ngram" if demo_without_draft
+            else "none"
+        )
     updates: dict[str, Any] = {
         "max_speculative_tokens": settings.max_speculative_tokens,
         "acceptance_threshold": settings.acceptance_threshold,
@@ -486,6 +497,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         return EngineConfig(
             target=target,
             draft=draft,
+            heads=heads,
             speculative=SpeculativeConfig.model_validate({**speculative.model_dump(), **updates}),
             dtype=settings.dtype,
             device=settings.device,

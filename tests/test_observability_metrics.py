@@ -134,3 +134,21 @@ def test_each_app_has_its_own_registry() -> None:
         "specgate_requests_total",
         frozenset({("route", "/v1/models"), ("status", "200")}),
     ) not in (samples(second))
+
+
+@given(st.lists(st.tuples(st.integers(1, 8), st.integers(0, 8)), min_size=1, max_size=20))
+def test_accepted_tokens_per_position_count_the_accepted_runs(
+    steps: list[tuple[int, int]],
+) -> None:
+    stats = GenerationStats(method="medusa")
+    for proposed, accepted in steps:
+        stats.record_step(proposed, min(accepted, proposed))
+    metrics = Metrics()
+    metrics.observe_generation("demo", stats)
+    accepted = [min(a, p) for p, a in steps]
+    for position in range(max(accepted)):
+        labels = {"method": "medusa", "model": "demo", "position": str(position)}
+        expected = sum(a > position for a in accepted)
+        name = "specgate_spec_decode_num_accepted_tokens_per_pos_total"
+        assert value(metrics, name, **labels) == expected
+    assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens

@@ -1,9 +1,11 @@
-"""The proposer interface: propose tokens, then learn what the target accepted.
+"""The proposer interface: propose a tree of tokens, then learn what the target accepted.
 
 A proposer sees the committed sequence (prompt plus output so far) and guesses up to ``k``
-continuation tokens, with the probabilities it drew them from when it samples. After
-verification the engine tells it the new committed sequence, so it can roll back or update
-its own state. Medusa or EAGLE heads fit the same two calls.
+continuation tokens, as a chain (n-gram lookup, a draft model) or a tree (Medusa, EAGLE),
+with the probabilities it drew them from when it samples. After verification the engine
+tells it the new committed sequence, so it can roll back or update its own state. A proposer
+that drafts from the target's own features (``wants_hidden``) is handed the target's last
+hidden states of the committed positions through ``observe_hidden`` before each proposal.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from engine.tree import chain_parents
 from engine.types import Method, SamplingParams
 
 if TYPE_CHECKING:
@@ -21,10 +24,24 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Proposal:
+    """Node tokens in topological order (a node after its parent).
+
+    ``parents``: each node's parent index, -1 for a child of the last committed token; None
+    means a chain (-1, 0, 1, ..., n-2). ``probs``: ``[n, vocab]``, the distribution node i
+    was drawn from, after the same logits processing as the target's; None for a
+    deterministic proposer (its q is one-hot), and always None for greedy requests.
+    """
+
     tokens: list[int]
-    # [len(tokens), vocab] probabilities each token was drawn from; None for a deterministic
-    # proposer (its q is one-hot), and always None for greedy requests.
+    parents: tuple[int, ...] | None = None
     probs: torch.Tensor | None = None
+
+    def parent_indices(self) -> tuple[int, ...]:
+        return chain_parents(len(self.tokens)) if self.parents is None else self.parents
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None or self.parents == chain_parents(len(self.tokens))
 
 
 class Proposer(Protocol):

@@ -115,7 +115,7 @@ class DraftModelProposer:
             if not sure:
                 break
             pending = [token]
-        return Proposal(tokens, torch.stack(rows) if rows else None)
+        return Proposal(tokens, probs=torch.stack(rows) if rows else None)
 
     def _token(self, row: int) -> int:
         return row if self.vocabulary is None else int(self.vocabulary[row])

@@ -42,6 +42,8 @@ class BackendCard:
     tool_call_parser: str = "hermes"
     # How requests share the model: "continuous (max_num_seqs=N)", or one at a time and why.
     batching: str = "one request at a time"
+    # Versioned artefacts besides the target: {"kind", "name", "version"} each.
+    artefacts: tuple[dict[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ class LocalBackend:
             tool_call_parser=engine.config.tool_call_parser
             or parser_for_template(getattr(engine.tokenizer, "chat_template", None)),
             batching=engine.batching_mode,
+            artefacts=engine.artefacts,
         )
 
     @classmethod

@@ -117,6 +117,13 @@ class Metrics:
             spec_labels,
             registry=r,
         )
+        self.spec_accepted_per_pos = Counter(
+            "specgate_spec_decode_num_accepted_tokens_per_pos",
+            "Steps that accepted a token at this position of the accepted run (vLLM's "
+            "spec_decode_num_accepted_tokens_per_pos).",
+            [*spec_labels, "position"],
+            registry=r,
+        )
         self.target_passes = Counter(
             "specgate_spec_decode_target_passes",
             "Forward passes of the target model.",
@@ -236,6 +243,8 @@ class Metrics:
             self.spec_drafts.labels(stats.method, model).inc(stats.num_drafts)
             self.spec_draft_tokens.labels(stats.method, model).inc(stats.num_draft_tokens)
             self.spec_accepted_tokens.labels(stats.method, model).inc(stats.num_accepted_tokens)
+            for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+                self.spec_accepted_per_pos.labels(stats.method, model, str(position)).inc(count)
 
     def observe_fallback(self, event: FallbackEvent) -> None:
         self.fallback_switches.labels(event.method, event.model, event.action).inc()

@@ -1,0 +1,1 @@
+"""Draft heads that speculate from the target's own hidden states (Medusa)."""

@@ -1,0 +1,129 @@
+"""Medusa heads on a tiny target: trained a few steps here, then lossless in use.
+
+Greedy speculation with the heads' tree must give plain decoding's tokens exactly; sampled
+speculation must draw the first two tokens from the target's exact distribution (the
+chi-square test of tests/test_engine_sampling.py); heads trained on another version of the
+target are refused, naming both versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import decoding
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.heads.medusa import HeadsMismatchError, load_heads
+from engine.heads.train import HeadsSpec, train_medusa
+from engine.loading import load_model, load_tokenizer
+from engine.proposers.base import Proposal
+from engine.sampling import TreeVerdict, verify_tree_greedy
+from engine.service import Engine
+from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.versioning import model_version
+from tests.test_engine_sampling import (
+    SIGNIFICANCE,
+    chi_square_p_value,
+    draw,
+    exact_pair_distribution,
+)
+from tests.tiny_models import SAMPLE_TEXT, build_model, build_tokenizer
+
+SPEC = HeadsSpec(
+    num_heads=3, snippets=16, prompt_tokens=8, answer_tokens=16, generation_batch=8, steps=30,
+    rows_per_step=64, lr=1e-2,
+)
+
+
+def quiet(*_args: object) -> None:
+    return None
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("medusa")
+    target = build_model(root / "target", build_tokenizer(), seed=0, hidden=64, layers=2)
+    model = load_model(target, torch.device("cpu"), "float32")
+    heads, losses = train_medusa(
+        model, load_tokenizer(target), SAMPLE_TEXT, SPEC, model_version(target), quiet
+    )
+    assert losses[-1] < losses[0], f"training did not lower the loss: {losses}"
+    heads.save(root / "heads")
+    return target, root / "heads"
+
+
+@pytest.fixture(scope="module")
+def engine(trained: tuple[Path, Path]) -> Iterator[Engine]:
+    target, heads = trained
+    config = EngineConfig(
+        target=target, heads=heads, dtype="float32",
+        speculative=SpeculativeConfig(method="medusa", acceptance_threshold=0.0, min_speedup=0.0),
+    )
+    eng = Engine.load(config)
+    yield eng
+    eng.close()
+
+
+def test_training_is_deterministic(trained: tuple[Path, Path], tmp_path: Path) -> None:
+    target, heads = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    again, _ = train_medusa(
+        model, load_tokenizer(target), SAMPLE_TEXT, SPEC, model_version(target), quiet
+    )
+    again.save(tmp_path / "again")
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (
+        heads / "model.safetensors"
+    ).read_bytes()
+
+
+@pytest.mark.parametrize("k", [None, 3, 10])
+def test_greedy_medusa_equals_plain_decoding(
+    engine: Engine, k: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    branches: list[bool] = []
+
+    def recording(proposal: Proposal, logits: torch.Tensor) -> TreeVerdict:
+        verdict = verify_tree_greedy(proposal, logits)
+        # Whether the accepted path left the chain of first children (a real tree branch).
+        firsts = {min(i for i, p in enumerate(proposal.parent_indices()) if p == parent)
+                  for parent in set(proposal.parent_indices())}
+        branches.append(any(node not in firsts for node in verdict.path))
+        return verdict
+
+    monkeypatch.setattr(decoding, "verify_tree_greedy", recording)
+    accepted = 0
+    for text in ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n    def"]:
+        prompt = tuple(engine.tokenizer.encode(text))
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        plain = engine.generate(GenerationRequest(prompt, params, SpeculativeChoice("none")))
+        medusa = engine.generate(GenerationRequest(prompt, params, SpeculativeChoice("medusa", k)))
+        assert medusa.token_ids == plain.token_ids
+        assert medusa.stats.num_drafts > 0
+        accepted += medusa.stats.num_accepted_tokens
+    assert accepted > 0, "the heads never got a token accepted: the test proves too little"
+    if k == 10:  # adaptive k may stay small; a 10-node tree must have taken a side branch
+        assert any(branches), "no accepted path left the first children: trees went untested"
+
+
+@pytest.mark.slow
+def test_sampled_medusa_is_exact(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    prompt = engine.tokenizer.encode("def add(a, b):\n")
+    counts = draw(engine, prompt, params, "medusa")
+    assert chi_square_p_value(counts, exact_pair_distribution(engine, prompt, params)) > (
+        SIGNIFICANCE
+    )
+
+
+def test_heads_for_another_target_version_are_refused(trained: tuple[Path, Path]) -> None:
+    target, heads = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    with pytest.raises(HeadsMismatchError) as info:
+        load_heads(heads, head, 64, model.config.vocab_size, "sha256:another")
+    message = str(info.value)
+    assert "sha256:another" in message and model_version(target) in message
