@@ -105,6 +105,7 @@ class RequestHandle:
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._logprobs: list[TokenLogprob] = []
+        self._final: StreamDelta | None = None  # the last delta, once taken
         self._waker: Callable[[], None] | None = None
         self._wake_on_final_only = False
 
@@ -130,10 +131,14 @@ class RequestHandle:
         self._text.append(item.text)
         if item.logprobs:
             self._logprobs.extend(item.logprobs)
+        if item.finish_reason is not None:
+            self._final = item
         return item
 
     def __iter__(self) -> Iterator[StreamDelta]:
-        while True:
+        """The deltas not yet taken (none once the last was: ``result()`` after a caller
+        iterated to the end returns at once instead of waiting for a delta that never comes)."""
+        while self._final is None:
             item = self._take(self._deltas.get())
             yield item
             if item.finish_reason is not None:
@@ -151,7 +156,7 @@ class RequestHandle:
 
         self._waker = wake
         try:
-            while True:
+            while self._final is None:
                 try:
                     item = self._take(self._deltas.get_nowait())
                 except queue.Empty:
@@ -176,16 +181,14 @@ class RequestHandle:
         )
 
     def result(self) -> GenerationResult:
-        last: StreamDelta | None = None
-        for delta in self:
-            last = delta
-        return self._result(last)
+        for _ in self:
+            pass
+        return self._result(self._final)
 
     async def result_async(self) -> GenerationResult:
-        last: StreamDelta | None = None
-        async for delta in self.deltas(final_only=True):
-            last = delta
-        return self._result(last)
+        async for _ in self.deltas(final_only=True):
+            pass
+        return self._result(self._final)
 
 
 @dataclass(frozen=True)

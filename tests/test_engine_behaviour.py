@@ -26,6 +26,7 @@ from engine.service import Engine
 from engine.types import (
     FallbackEvent,
     GenerationRequest,
+    GenerationResult,
     IncompatibleDraftError,
     InvalidRequestError,
     MethodUnavailableError,
@@ -154,6 +155,19 @@ def test_streamed_deltas_add_up_to_the_result_and_hide_stop_strings(engine: Engi
     assert deltas[-1].stats is not None and deltas[-1].stats.num_output_tokens == len(
         [t for d in deltas for t in d.token_ids]
     )
+
+
+def test_result_after_the_stream_was_read_to_its_end_returns_at_once(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    handle = engine.submit(request("class A:\n", engine, params))
+    streamed = list(handle)  # the one delta is the last: nothing more will ever arrive
+    results: list[GenerationResult] = []
+    waiter = threading.Thread(target=lambda: results.append(handle.result()), daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)
+    assert results, "result() waited for a delta after the last one"
+    assert results[0].token_ids == tuple(t for d in streamed for t in d.token_ids)
+    assert results[0].finish_reason == "length"
 
 
 def test_statistics_count_drafts_and_passes(engine: Engine) -> None:
