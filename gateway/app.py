@@ -199,7 +199,6 @@ async def stop_services(services: Services) -> None:
     try:
         await append_durably(
             services.offload,
-            services.audit,
             services.spool,
             "shutdown",
             SYSTEM_ACTOR,

@@ -194,6 +194,20 @@ def audit_replay(
         typer.echo("NO MATCH CLAIMED: " + "; ".join(report["differences"]), err=True)
         raise typer.Exit(1)
     if not report["match"]:
+        for choice in report["choices"]:
+            for found in choice.get("divergences", []):
+                verdict = (
+                    "within the dtype's rounding (a near-tie)"
+                    if found["within_rounding"]
+                    else "BEYOND the dtype's rounding: a bug"
+                )
+                typer.echo(
+                    f"choice {choice['index']}: the {found['output']} output ({found['method']})"
+                    f" leaves plain decoding at token {found['position']}, logit gap"
+                    f" {found['plain_gap']:.6g} against a bound of {found['bound']:.3g}"
+                    f" in {found['dtype']}: {verdict}",
+                    err=True,
+                )
         typer.echo("MISMATCH", err=True)
         raise typer.Exit(1)
     typer.echo("MATCH: the replayed completion has the recorded commitment")

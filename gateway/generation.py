@@ -48,7 +48,7 @@ from gateway.keys import Principal
 from gateway.lifecycle import ShutdownError
 from gateway.observability.telemetry import CompletionTelemetry
 from gateway.privacy.commitments import CommitmentKey, DataKey, text_bytes, token_id_bytes
-from gateway.privacy.store import key_owner_subject, user_subject
+from gateway.privacy.store import SealedContent, key_owner_subject, user_subject
 from gateway.recording import (
     append_durably,
     combined_stats,
@@ -842,16 +842,14 @@ class AuditedGeneration:
             latency_s=time.perf_counter() - self.started,
         )
 
-    def _append_completion(
-        self, kind: str, actor: str | None, payload: dict[str, Any]
-    ) -> AppendedEvent:
-        """The `completion` event with the choices' text stored encrypted beside it."""
-        assert self.data_key is not None
+    def _sealed_completion(self) -> SealedContent | None:
+        """The choices' text and tokens, encrypted under the subject's data key, where the
+        request's content is stored: committed with the `completion` event, directly or from
+        the durable spool (which never holds the text)."""
+        if self.data_key is None:
+            return None
         content = {"choices": [{"text": s.text, "token_ids": s.token_ids} for s in self.choices]}
-        privacy = self.services.privacy
-        return privacy.append_with_content(
-            kind, actor, payload, self.data_key, "completion", content
-        )
+        return SealedContent.seal(self.data_key, "completion", content)
 
     def finish(self) -> None:
         """Give back the request's admission slots and stop tracking its backend work."""
@@ -885,12 +883,11 @@ class AuditedGeneration:
             with telemetry.activate():
                 await append_durably(
                     services.offload,
-                    services.audit,
                     services.spool,
                     "completion",
                     self.principal.key_id,
                     payload,
-                    None if self.data_key is None else self._append_completion,
+                    self._sealed_completion(),
                 )
         finally:
             telemetry.end()

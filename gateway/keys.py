@@ -1,8 +1,9 @@
 """API keys and roles. Only the SHA-256 of a key is stored; the plaintext is shown once.
 
 A key is ``sg-`` followed by 43 URL-safe characters (256 random bits): far beyond guessing, so
-a fast unsalted hash is enough to store it. Every creation and revocation is recorded as a
-``key`` audit event in the same transaction as the change itself.
+a fast unsalted hash is enough to store it. Every creation, revocation and change of a key's
+content storage choice is recorded as a ``key`` audit event in the same transaction as the
+change itself.
 """
 
 from __future__ import annotations
@@ -109,16 +110,42 @@ class KeyStore:
         except SQLAlchemyError as exc:
             raise AuditUnavailableError(f"key store unavailable: {exc}") from exc
 
+    def set_store_content(
+        self, key_id_or_name: str, store_content: bool | None, actor: str
+    ) -> Principal:
+        """Set whether an active key's requests keep their text (None: the server's setting)
+        and return the key. Requests authenticated after the commit follow it."""
+        active = api_keys.c.revoked_at.is_(None)
+        match = sa.or_(api_keys.c.key_id == key_id_or_name, api_keys.c.name == key_id_or_name)
+        try:
+            with write_connection(self._db) as connection, connection.begin():
+                row = connection.execute(sa.select(api_keys).where(active, match)).first()
+                if row is None:
+                    raise KeyStoreError(f"no active key with id or name {key_id_or_name!r}")
+                connection.execute(
+                    sa.update(api_keys)
+                    .where(api_keys.c.key_id == row.key_id)
+                    .values(store_content=store_content)
+                )
+                key = Principal(row.key_id, row.name, row.role, store_content)
+                self._record(connection, actor, "updated", key, always_content=True)
+        except SQLAlchemyError as exc:
+            raise AuditUnavailableError(f"key store unavailable: {exc}") from exc
+        return key
+
     def list(self) -> list[Principal]:
         """The active keys, oldest first."""
+        keys = api_keys.c
         try:
             with self._db.connect() as connection:
                 rows = connection.execute(
-                    sa.select(api_keys.c.key_id, api_keys.c.name, api_keys.c.role)
-                    .where(api_keys.c.revoked_at.is_(None))
-                    .order_by(api_keys.c.created_at, api_keys.c.key_id)
+                    sa.select(keys.key_id, keys.name, keys.role, keys.store_content)
+                    .where(keys.revoked_at.is_(None))
+                    .order_by(keys.created_at, keys.key_id)
                 )
-                return [Principal(row.key_id, row.name, row.role) for row in rows]
+                return [
+                    Principal(row.key_id, row.name, row.role, row.store_content) for row in rows
+                ]
         except SQLAlchemyError as exc:
             raise AuditUnavailableError(f"key store unavailable: {exc}") from exc
 
@@ -141,13 +168,22 @@ class KeyStore:
             raise AuditUnavailableError(f"key store unavailable: {exc}") from exc
         return Principal(row.key_id, row.name, row.role, row.store_content) if row else None
 
-    def _record(self, connection: sa.Connection, actor: str, action: str, key: Principal) -> None:
-        payload: dict[str, str | bool] = {
+    def _record(
+        self,
+        connection: sa.Connection,
+        actor: str,
+        action: str,
+        key: Principal,
+        always_content: bool = False,
+    ) -> None:
+        """The `key` event; ``store_content`` where set (always for a change of it, null
+        meaning the server's setting)."""
+        payload: dict[str, str | bool | None] = {
             "action": action,
             "key_id": key.key_id,
             "name": key.name,
             "role": key.role,
         }
-        if key.store_content is not None:
+        if always_content or key.store_content is not None:
             payload["store_content"] = key.store_content
         self._audit.append_in(connection, "key", actor, payload)

@@ -48,6 +48,7 @@ _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/completions"): (404, 429, *_BODY),
     ("get", "/v1/models/{model}"): (404,),
     ("post", "/v1/admin/keys"): (409, *_BODY),
+    ("patch", "/v1/admin/keys/{key}"): (404, *_BODY),
     ("delete", "/v1/admin/keys/{key}"): (404,),
     ("get", "/v1/audit/proof/{event_id}"): (404,),
     ("post", "/v1/audit/replay/{event_id}"): (404, 409),

@@ -20,6 +20,7 @@ from gateway.audit.log import AppendedEvent, AuditLog, AuditUnavailableError
 from gateway.backends.base import BackendCard
 from gateway.keys import Principal
 from gateway.offload import Offload
+from gateway.privacy.store import SealedContent
 from gateway.settings import Settings
 from gateway.spool import EventSpool
 
@@ -36,27 +37,25 @@ async def append_event(
 
 async def append_durably(
     offload: Offload,
-    audit: AuditLog,
     spool: EventSpool,
     kind: str,
     actor: str | None,
     payload: dict[str, Any],
-    append: Callable[[str, str | None, dict[str, Any]], AppendedEvent] | None = None,
+    content: SealedContent | None = None,
 ) -> bool:
     """Commit an event that must not be lost: directly when the store answers in time, else
     into the durable spool (committed later, once). True when committed directly. Raises
-    AuditUnavailableError only when the spool cannot be written either. ``append`` replaces
-    ``audit.append`` for the direct attempt (one that also stores content); the spool keeps
-    the event alone."""
+    AuditUnavailableError only when the spool cannot be written either. ``content``, sealed
+    before this call, is stored with the event either way, in the event's transaction."""
     attempted_at = datetime.now(UTC)
-    attempt = offload.submit_db(append or audit.append, kind, actor, payload)
+    attempt = offload.submit_db(spool.commit, kind, actor, payload, content)
     try:
         await offload.wait_db(attempt, f"{kind} append")
         return True
     except AuditUnavailableError as error:
         log.warning("event_spooled", kind=kind, error=str(error))
     try:
-        await offload.io(spool.keep, kind, actor, payload, attempt, attempted_at)
+        await offload.io(spool.keep, kind, actor, payload, attempt, attempted_at, content)
     except OSError as error:
         raise AuditUnavailableError(f"audit spool unwritable: {error}") from error
     return False

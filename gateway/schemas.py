@@ -418,15 +418,27 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+_KEY_STORE_CONTENT = (
+    "Whether this key's requests keep their text, encrypted outside the chain and erasable "
+    "(null: the server's store_content setting). A request's own store_content wins."
+)
+
+
 class KeyCreateRequest(_Strict):
     role: Literal["app", "auditor", "admin"]
     name: str = Field(min_length=1, max_length=128)
+    store_content: StrictBool | None = Field(default=None, description=_KEY_STORE_CONTENT)
+
+
+class KeyUpdateRequest(_Strict):
+    store_content: StrictBool | None = Field(description=_KEY_STORE_CONTENT)
 
 
 class KeyInfo(BaseModel):
     key_id: str
     name: str
     role: str
+    store_content: bool | None = Field(description=_KEY_STORE_CONTENT)
 
 
 class CreatedKey(KeyInfo):

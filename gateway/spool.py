@@ -6,7 +6,9 @@ Two kinds of event go through it:
   on the database, so the event is written to the spool file and a writer thread commits it;
 - ``completion`` events whose direct commit failed or timed out (``keep``): the text has been
   generated (and perhaps streamed), so the record of it is kept on local disk and committed
-  when the store returns.
+  when the store returns. Where the request's content is stored, the entry carries it sealed
+  (encrypted under the subject's data key before it reaches the disk); the content row and
+  the event are committed in one transaction, as a direct commit would have.
 
 The spool is one JSON-lines file in the data directory: an ``add`` line per event and a ``done``
 line once it is committed, each fsynced before the call returns. The writer commits pending
@@ -40,6 +42,7 @@ import structlog
 from gateway.audit.canonical import format_timestamp
 from gateway.audit.log import AppendedEvent, AuditLog, AuditUnavailableError
 from gateway.audit.schema import audit_events
+from gateway.privacy.store import SealedContent, append_with_content
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +59,7 @@ class SpoolEntry:
     payload: dict[str, Any]
     spooled_at: datetime
     attempted_at: datetime | None
+    content: SealedContent | None = None
     # The direct commit this entry backs up, while it may still complete in this process.
     attempt: Future[AppendedEvent] | None = field(default=None, repr=False)
 
@@ -68,6 +72,7 @@ class SpoolEntry:
             "payload": self.payload,
             "spooled_at": format_timestamp(self.spooled_at),
             "attempted_at": format_timestamp(self.attempted_at) if self.attempted_at else None,
+            "content": self.content.as_json() if self.content else None,
         }
 
 
@@ -109,6 +114,7 @@ class EventSpool:
                         line["payload"],
                         _parse_time(line["spooled_at"]),
                         _parse_time(line["attempted_at"]) if line.get("attempted_at") else None,
+                        SealedContent.from_json(line["content"]) if line.get("content") else None,
                     )
                 elif line.get("op") == "done":
                     added.pop(line["id"], None)
@@ -141,13 +147,35 @@ class EventSpool:
         payload: dict[str, Any],
         attempt: Future[AppendedEvent],
         attempted_at: datetime,
+        content: SealedContent | None = None,
     ) -> None:
-        """Back up a direct commit that failed or did not finish in time; returns once the
-        event is on disk. Raises OSError when it cannot be written."""
+        """Back up a direct commit (``commit``) that failed or did not finish in time, with
+        the sealed content it stores; returns once the entry is on disk. Raises OSError when
+        it cannot be written."""
         entry = SpoolEntry(
-            uuid.uuid4().hex, kind, actor, payload, datetime.now(UTC), attempted_at, attempt
+            uuid.uuid4().hex,
+            kind,
+            actor,
+            payload,
+            datetime.now(UTC),
+            attempted_at,
+            content,
+            attempt,
         )
         self._add(entry)
+
+    def commit(
+        self,
+        kind: str,
+        actor: str | None,
+        payload: dict[str, Any],
+        content: SealedContent | None = None,
+    ) -> AppendedEvent:
+        """Commit an event now, with its sealed content in the same transaction: the direct
+        attempt that ``keep`` backs up, and the writer's commit of a spooled entry."""
+        if content is None:
+            return self._audit.append(kind, actor, payload)
+        return append_with_content(self._db, self._audit, kind, actor, payload, content)
 
     @property
     def pending(self) -> int:
@@ -223,7 +251,7 @@ class EventSpool:
             "spooled_at": format_timestamp(entry.spooled_at),
             "delay_s": round((now - entry.spooled_at).total_seconds(), 6),
         }
-        self._audit.append(entry.kind, entry.actor, {**entry.payload, "spool": spool})
+        self.commit(entry.kind, entry.actor, {**entry.payload, "spool": spool}, entry.content)
         self._done(entry)
 
     def _done(self, entry: SpoolEntry) -> None:

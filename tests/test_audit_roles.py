@@ -19,6 +19,7 @@ from gateway.audit.log import AuditLog, AuditUnavailableError
 from gateway.audit.mac import EventMac
 from gateway.audit.signing import CheckpointSigner
 from gateway.db import make_db_engine
+from gateway.keys import KeyStore
 from gateway.privacy.kek import KeyEncryptionKey
 from gateway.privacy.store import PrivacyStore
 
@@ -71,6 +72,7 @@ REFUSED_TO_WRITER = [
     "DROP TABLE audit_events",
     "ALTER TABLE audit_events OWNER TO CURRENT_USER",
     "UPDATE api_keys SET role = 'admin'",
+    "UPDATE api_keys SET key_hash = 'x'",
     "UPDATE privacy_content SET key_ref = 'other'",
     "DELETE FROM privacy_content",
     "TRUNCATE privacy_content",
@@ -93,7 +95,14 @@ def test_writer_role_stores_content_erases_and_holds(
     assert record is not None and store.read_content(record.payload["content"]) == ["hi"]
     assert store.place_hold(subject, "tests") and store.release_hold(subject, "tests")
     assert store.erase_subject(subject, "tests") == [key.key_ref]
+    # The ciphertext went with its key (the foreign key's cascade, as the writer).
+    with db.connect() as connection:
+        assert connection.exec_driver_sql("SELECT count(*) FROM privacy_content").scalar() == 0
     assert store.expire(1, "tests") == []
+    # A key's content storage choice may change (only that column), audited.
+    keys = KeyStore(db, log)
+    principal, _ = keys.create("app", "writer-made", "tests")
+    assert keys.set_store_content(principal.key_id, True, "tests").store_content is True
     assert log.verify().ok
     db.dispose()
 

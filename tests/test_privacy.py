@@ -29,7 +29,7 @@ from gateway.audit.verify import verify_export
 from gateway.cli import app as specgate_cli
 from gateway.privacy.commitments import ContentUnreadableError
 from gateway.privacy.replay import Recorded, find_recorded, replay
-from gateway.privacy.schema import privacy_data_keys
+from gateway.privacy.schema import privacy_content, privacy_data_keys
 from gateway.privacy.store import LegalHoldError, PrivacyStore
 from tests.api_harness import PG_SERVER, LiveGateway, fresh_database, gateway_settings, live_gateway
 from tests.tiny_models import build_noisy_copy, build_pair
@@ -162,9 +162,13 @@ def test_erasure_shreds_content_and_commitments_while_the_log_verifies(
 ) -> None:
     recorded, text = chat(gateway, CANARY + "-erase", user="subject-erase", temperature=0)
     request, completion = recorded.request.payload, recorded.completion.payload
+    key_ref = request["commitment_key"]["key_ref"]
+    assert content_rows(gateway, key_ref) == 2  # the prompt's and the completion's
     runner = CliRunner()
     result = runner.invoke(specgate_cli, ["privacy", "erase", "--subject", "subject-erase"])
     assert result.exit_code == 0, result.output
+    # The undecryptable ciphertext is deleted with the key; the chain keeps its commitments.
+    assert content_rows(gateway, key_ref) == 0
     with pytest.raises(ContentUnreadableError, match="erased"):
         privacy(gateway).read_content(request["content"])
     # No key left in the deployment confirms the recorded commitment to the true text.
@@ -185,7 +189,8 @@ def test_erasure_shreds_content_and_commitments_while_the_log_verifies(
             .order_by(audit_events.c.seq.desc())
         ).first()
     assert erasure is not None
-    assert erasure.payload["key_refs"] == [request["commitment_key"]["key_ref"]]
+    assert erasure.payload["key_refs"] == [key_ref]
+    assert erasure.payload["content_rows_deleted"] == 2
     assert "subject-erase" not in json.dumps(erasure.payload)
     # The export marks both events' content as erased and still verifies offline.
     lines = export(gateway, tmp_path / "export.jsonl").splitlines()
@@ -208,6 +213,12 @@ def test_erasure_shreds_content_and_commitments_while_the_log_verifies(
     assert replay_http(gateway, recorded.request.event_id).status_code == 409
 
 
+def content_rows(gateway: LiveGateway, key_ref: str) -> int:
+    with gateway.services.db.connect() as connection:
+        count = sa.select(sa.func.count()).where(privacy_content.c.key_ref == key_ref)
+        return int(connection.execute(count).scalar_one())
+
+
 def test_erased_record_cannot_name_events_the_export_lacks(
     gateway: LiveGateway, tmp_path: Path
 ) -> None:
@@ -227,7 +238,9 @@ def test_retention_destroys_exactly_the_expired_keys_and_holds_block_both(
     store = privacy(gateway)
     now = datetime.now(UTC)
     old, recent, held = (store.subject_ref(f"user:retention-{n}") for n in ("old", "new", "held"))
-    old_key = store.data_key(old, now - timedelta(days=400)).key_ref
+    old_data_key = store.data_key(old, now - timedelta(days=400))
+    old_key = old_data_key.key_ref
+    store.append_with_content("request", "tests", {}, old_data_key, "prompt", [CANARY])
     recent_key = store.data_key(recent, now - timedelta(days=100)).key_ref
     held_key = store.data_key(held, now - timedelta(days=400)).key_ref
     runner = CliRunner()
@@ -236,6 +249,7 @@ def test_retention_destroys_exactly_the_expired_keys_and_holds_block_both(
 
     destroyed = store.expire(365, "tests")
     assert destroyed == [old_key]
+    assert content_rows(gateway, old_key) == 0
     assert store.existing_key(recent_key) is not None
     assert store.existing_key(held_key) is not None
     # The held subject cannot be erased either; the refusal is recorded.
@@ -257,8 +271,9 @@ def test_retention_destroys_exactly_the_expired_keys_and_holds_block_both(
             .where(audit_events.c.kind.in_(["erasure", "legal_hold"]))
             .order_by(audit_events.c.seq)
         ).all()
-    retention = [p["key_refs"] for k, p in rows if k == "erasure" and p["cause"] == "retention"]
-    assert retention == [[old_key], [held_key]]
+    retention = [p for k, p in rows if k == "erasure" and p["cause"] == "retention"]
+    assert [p["key_refs"] for p in retention] == [[old_key], [held_key]]
+    assert [p["content_rows_deleted"] for p in retention] == [1, 0]
     holds = [(p["action"], p["subject_ref"]) for k, p in rows if k == "legal_hold"]
     assert holds == [("placed", held), ("released", held)]
     refusals = [p for k, p in rows if k == "erasure" and p["outcome"] == "refused_legal_hold"]
@@ -440,3 +455,77 @@ def test_content_storage_per_key_and_per_request(gateway: LiveGateway) -> None:
     assert "content" not in request_event({})
     assert request_event({})["commitment_key"]["type"] == "deployment"
     assert "content" in request_event({"store_content": True})
+
+
+def test_admin_api_sets_a_keys_content_storage_and_audits_it(gateway: LiveGateway) -> None:
+    """Over HTTP: a key created with ``store_content``, listed with it, changed with PATCH
+    (true, false, null: the server's setting), each change a `key` event by the admin."""
+    admin = {"authorization": f"Bearer {gateway.keys['admin']}"}
+    base = gateway.base_url + "/v1/admin/keys"
+    created = httpx.post(
+        base, json={"role": "app", "name": "api-no-content", "store_content": False},
+        headers=admin, timeout=30,
+    )  # fmt: skip
+    assert created.status_code == 201, created.text
+    assert created.json()["store_content"] is False
+    key_id, plaintext = created.json()["key_id"], created.json()["key"]
+
+    def listed() -> dict[str, Any]:
+        response = httpx.get(base, headers=admin, timeout=30)
+        assert response.status_code == 200, response.text
+        return {key["name"]: key["store_content"] for key in response.json()}
+
+    assert listed()["api-no-content"] is False and listed()["test-app"] is None
+
+    def stores_content() -> bool:
+        response = httpx.post(
+            gateway.base_url + "/v1/chat/completions",
+            json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "k"}]},
+            headers={"authorization": f"Bearer {plaintext}"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        record = gateway.services.audit.event(response.headers["x-specgate-audit-id"])
+        assert record is not None
+        return "content" in record.payload
+
+    assert not stores_content()
+    for value in (True, None, False):
+        changed = httpx.patch(
+            f"{base}/api-no-content", json={"store_content": value}, headers=admin, timeout=30
+        )
+        assert changed.status_code == 200, changed.text
+        assert changed.json() == {
+            "key_id": key_id, "name": "api-no-content", "role": "app", "store_content": value,
+        }  # fmt: skip
+        assert listed()["api-no-content"] is value
+        # The server stores content here, so null (its setting) stores it as true does.
+        assert stores_content() is (value is not False)
+
+    for body, status in (({}, 400), ({"store_content": "yes"}, 400), ({"store": True}, 400)):
+        refused = httpx.patch(f"{base}/{key_id}", json=body, headers=admin, timeout=30)
+        assert refused.status_code == status and refused.json()["error"]["param"], refused.text
+    missing = httpx.patch(f"{base}/no-such-key", json={"store_content": True}, headers=admin)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "key_not_found"
+    app = {"authorization": f"Bearer {gateway.keys['app']}"}
+    forbidden = httpx.patch(f"{base}/{key_id}", json={"store_content": True}, headers=app)
+    assert forbidden.status_code == 403
+
+    with gateway.services.db.connect() as connection:
+        events = connection.execute(
+            sa.select(audit_events.c.actor, audit_events.c.payload)
+            .where(audit_events.c.kind == "key")
+            .order_by(audit_events.c.seq)
+        ).all()
+    mine = [(actor, p) for actor, p in events if p["key_id"] == key_id]
+    admin_id = gateway.services.keys.authenticate(gateway.keys["admin"])
+    assert admin_id is not None
+    assert [(p["action"], p.get("store_content", "absent")) for _, p in mine] == [
+        ("created", False), ("updated", True), ("updated", None), ("updated", False),
+    ]  # fmt: skip
+    assert {actor for actor, _ in mine} == {admin_id.key_id}
+    document = httpx.get(gateway.base_url + "/openapi.json", timeout=30).json()
+    patch = document["paths"]["/v1/admin/keys/{key}"]["patch"]
+    assert {"200", "400", "403", "404"} <= set(patch["responses"])
+    info = document["components"]["schemas"]["KeyInfo"]["properties"]
+    assert "store_content" in info

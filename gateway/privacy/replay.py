@@ -7,7 +7,9 @@ Replaying with that schedule draws exactly what the original drew, so the same m
 configuration give a bit-identical completion: the replay's keyed commitment must equal the
 recorded one. Where a version or the configuration differs, the replay names it and claims
 no match. Asked for another method (greedy only), it compares the tokens with the recorded
-ones and gives the first differing position with the target's logit gap there.
+ones and gives the first differing position; and, for each speculative output, where it first
+leaves plain greedy decoding with the target's logit gap there (``engine.divergence``: plain
+decoding is the reference the gap is measured against, re-run when neither output is plain).
 """
 
 from __future__ import annotations
@@ -133,6 +135,36 @@ def _recorded_choice(schedule: dict[str, Any]) -> SpeculativeChoice:
     return SpeculativeChoice(method=method, schedule=expand_runs(schedule["proposal_lengths"]))
 
 
+async def _divergences_from_plain(
+    backend: GenerationBackend,
+    prompt_ids: tuple[int, ...],
+    sampling: SamplingParams,
+    outputs: dict[str, tuple[Method | None, list[int]]],
+) -> list[dict[str, Any]] | None:
+    """Where each speculative greedy output (by name: ``recorded``, ``replayed``) first
+    differs from plain greedy decoding, with the target's logit gap there and whether the
+    dtype's rounding explains it. Plain decoding is the reference: the output decoded with
+    method ``none``, or a plain re-run when neither was. None for a backend that does not
+    see the target's logits."""
+    divergence = getattr(backend, "divergence", None)
+    if divergence is None:
+        return None
+    plain = next((ids for method, ids in outputs.values() if method == "none"), None)
+    if plain is None:
+        rerun = backend.submit(
+            GenerationRequest(prompt_ids, sampling, SpeculativeChoice(method="none"), "replay")
+        )
+        plain = list((await rerun.result_async()).token_ids)
+    found = []
+    for name, (method, ids) in outputs.items():
+        if method == "none":
+            continue
+        at = await asyncio.to_thread(divergence, prompt_ids, plain, ids)
+        if at is not None:
+            found.append({"output": name, "method": method, **at})
+    return found
+
+
 async def replay(
     backend: GenerationBackend,
     privacy: PrivacyStore,
@@ -156,13 +188,13 @@ async def replay(
         return {**report, "replayed": False, "match": False}
     key_ref = request["commitment_key"].get("key_ref")
     try:
+        key = await asyncio.to_thread(privacy.existing_key, key_ref)
+        if key is None:
+            raise ReplayRefusedError("cannot replay: the content was erased")
         prompt = await asyncio.to_thread(privacy.read_content, request["content"])
         output = await asyncio.to_thread(privacy.read_content, completion["content"])
-        key = await asyncio.to_thread(privacy.existing_key, key_ref)
     except (ContentUnreadableError, KeyError) as error:
         raise ReplayRefusedError(f"cannot replay: {error}") from None
-    if key is None:
-        raise ReplayRefusedError("cannot replay: the content was erased")
     greedy = request["sampling"]["temperature"] == 0.0
     if method is not None and not greedy:
         raise ReplayRefusedError("another method can only be compared for greedy requests", 400)
@@ -185,11 +217,15 @@ async def replay(
         }
         if not entry["match"] and method is not None:
             entry["first_difference"] = first_difference(recorded_ids, result.token_ids)
-            divergence = getattr(backend, "divergence", None)  # backends that see the logits
-            if divergence is not None:
-                entry["divergence"] = await asyncio.to_thread(
-                    divergence, prompt_ids, recorded_ids, result.token_ids
-                )
+            outputs: dict[str, tuple[Method | None, list[int]]] = {
+                "recorded": (_recorded_choice(schedule).method, list(recorded_ids)),
+                "replayed": (method, list(result.token_ids)),
+            }
+            divergences = await _divergences_from_plain(
+                backend, prompt_ids, _sampling(request, index), outputs
+            )
+            if divergences is not None:
+                entry["divergences"] = divergences
         report["choices"].append(entry)
     match = all(choice["match"] for choice in report["choices"])
     return {**report, "replayed": True, "match": match, "method": method}

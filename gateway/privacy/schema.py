@@ -20,12 +20,23 @@ privacy_data_keys = sa.Table(
     sa.UniqueConstraint("subject_ref", "day", name="privacy_data_keys_subject_day"),
 )
 
-# Insert-only: ciphertext stays when its key is destroyed (it is then noise).
+# Insert-only for the writer: a row goes only with its data key (the foreign key's cascade),
+# in the erasure or retention transaction that destroys the key.
 privacy_content = sa.Table(
     "privacy_content",
     metadata,
     sa.Column("content_id", sa.String(36), primary_key=True),
-    sa.Column("key_ref", sa.String(32), nullable=False, index=True),
+    sa.Column(
+        "key_ref",
+        sa.String(32),
+        sa.ForeignKey(
+            "privacy_data_keys.key_ref",
+            name="privacy_content_key_ref_fkey",
+            ondelete="CASCADE",
+        ),
+        nullable=False,
+        index=True,
+    ),
     sa.Column("part", sa.String(16), nullable=False),
     sa.Column("ciphertext", sa.LargeBinary, nullable=False),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),

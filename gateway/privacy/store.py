@@ -9,6 +9,7 @@ subject blocks both, and a blocked erasure is itself recorded.
 
 from __future__ import annotations
 
+import base64
 import secrets
 import uuid
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from gateway.audit.canonical import format_timestamp
 from gateway.audit.log import ERASURE_KIND, AppendedEvent, AuditLog, AuditUnavailableError
@@ -42,14 +43,81 @@ class LegalHoldError(ValueError):
 
 
 @dataclass(frozen=True)
-class StoredContent:
-    """What the chain records of one stored piece of content."""
+class SealedContent:
+    """Content encrypted under a data key and not yet stored: what the content table holds of
+    it, and what the durable spool keeps of it while the store is away (never the text)."""
 
     content_id: str
-    ciphertext_sha256: str
+    key_ref: str
+    part: str
+    ciphertext: bytes
+
+    @classmethod
+    def seal(cls, data_key: DataKey, part: str, value: Any) -> SealedContent:
+        content_id = str(uuid.uuid4())
+        return cls(content_id, data_key.key_ref, part, data_key.encrypt(content_id, value))
+
+    @property
+    def commitment(self) -> dict[str, str]:
+        """What the chain records of it (the event's ``content`` field)."""
+        return {
+            "content_id": self.content_id,
+            "ciphertext_sha256": ciphertext_commitment(self.ciphertext),
+        }
 
     def as_json(self) -> dict[str, str]:
-        return {"content_id": self.content_id, "ciphertext_sha256": self.ciphertext_sha256}
+        return {
+            "content_id": self.content_id,
+            "key_ref": self.key_ref,
+            "part": self.part,
+            "ciphertext": base64.b64encode(self.ciphertext).decode("ascii"),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, str]) -> SealedContent:
+        return cls(
+            data["content_id"], data["key_ref"], data["part"], base64.b64decode(data["ciphertext"])
+        )
+
+
+def append_with_content(
+    db: sa.Engine,
+    audit: AuditLog,
+    kind: str,
+    actor: str | None,
+    payload: dict[str, Any],
+    sealed: SealedContent,
+) -> AppendedEvent:
+    """Store ``sealed`` and append the event (its payload's ``content`` set to the
+    ciphertext's commitment) in one transaction: both are committed, or neither.
+
+    Content whose data key was destroyed before this commit (a completion spooled during an
+    outage, then erased) is not stored: it could never be read. The event then says so
+    (``content.discarded``). A key destroyed by a transaction still in flight makes the
+    foreign key refuse the row; the caller's retry then finds the key gone."""
+    content = sealed.commitment
+    keys = privacy_data_keys.c
+    row = sa.select(
+        sa.literal(sealed.content_id, sa.String),
+        sa.literal(sealed.key_ref, sa.String),
+        sa.literal(sealed.part, sa.String),
+        sa.literal(sealed.ciphertext, sa.LargeBinary),
+        sa.literal(datetime.now(UTC), sa.DateTime(timezone=True)),
+    ).where(sa.exists().where(keys.key_ref == sealed.key_ref))
+    columns = ["content_id", "key_ref", "part", "ciphertext", "created_at"]
+    try:
+        with write_connection(db) as connection, connection.begin():
+            insert = sa.insert(privacy_content).from_select(columns, row)
+            stored = connection.execute(insert.returning(privacy_content.c.content_id))
+            if stored.first() is None:
+                content = {**content, "discarded": "data key destroyed before it was stored"}
+            return audit.append_in(connection, kind, actor, {**payload, "content": content})
+    except IntegrityError as exc:
+        raise AuditUnavailableError(
+            f"content not stored (its key is being destroyed): {exc}"
+        ) from (exc)
+    except SQLAlchemyError as exc:
+        raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
 
 
 def user_subject(user: str) -> str:
@@ -60,6 +128,22 @@ def user_subject(user: str) -> str:
 def key_owner_subject(key_id: str) -> str:
     """The subject id of an API key's owner (requests without ``user``)."""
     return f"key:{key_id}"
+
+
+def _destroy_keys(connection: sa.Connection, key_refs: list[str]) -> int:
+    """Delete the data keys ``key_refs`` and, by the foreign key's cascade, every ciphertext
+    row under them (it could never be decrypted again). Returns the number of rows counted
+    under them in the same transaction first; a row whose insert was still in flight is
+    deleted by the cascade too, uncounted."""
+    if not key_refs:
+        return 0
+    content = privacy_content.c
+    count = sa.select(sa.func.count()).select_from(privacy_content)
+    deleted = connection.execute(count.where(content.key_ref.in_(key_refs))).scalar_one()
+    connection.execute(
+        sa.delete(privacy_data_keys).where(privacy_data_keys.c.key_ref.in_(key_refs))
+    )
+    return int(deleted)
 
 
 class PrivacyStore:
@@ -133,31 +217,17 @@ class PrivacyStore:
         part: str,
         value: Any,
     ) -> AppendedEvent:
-        """Encrypt ``value`` under ``data_key``, store it and append the event (its payload's
-        ``content`` set to the ciphertext's commitment) in one transaction."""
-        content_id = str(uuid.uuid4())
-        ciphertext = data_key.encrypt(content_id, value)
-        stored = StoredContent(content_id, ciphertext_commitment(ciphertext))
-        payload = {**payload, "content": stored.as_json()}
-        try:
-            with write_connection(self._db) as connection, connection.begin():
-                connection.execute(
-                    sa.insert(privacy_content).values(
-                        content_id=content_id,
-                        key_ref=data_key.key_ref,
-                        part=part,
-                        ciphertext=ciphertext,
-                        created_at=datetime.now(UTC),
-                    )
-                )
-                return self._audit.append_in(connection, kind, actor, payload)
-        except SQLAlchemyError as exc:
-            raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+        """Encrypt ``value`` under ``data_key``, store it and append the event in one
+        transaction (``append_with_content``)."""
+        sealed = SealedContent.seal(data_key, part, value)
+        return append_with_content(self._db, self._audit, kind, actor, payload, sealed)
 
     def read_content(self, content: dict[str, Any]) -> Any:
         """Decrypt stored content named by an event's ``content`` field; checks the ciphertext
         against the chain's commitment. ContentUnreadableError once its key is destroyed."""
         content_id = str(content.get("content_id"))
+        if content.get("discarded"):
+            raise ContentUnreadableError(f"content {content_id} was erased before it was stored")
         try:
             with self._db.connect() as connection:
                 row = connection.execute(
@@ -166,7 +236,10 @@ class PrivacyStore:
         except SQLAlchemyError as exc:
             raise AuditUnavailableError(f"privacy store unavailable: {exc}") from exc
         if row is None:
-            raise ContentUnreadableError(f"content {content_id} is not in the content table")
+            raise ContentUnreadableError(
+                f"content {content_id} is not in the content table: erased with its data key "
+                "(its ciphertext goes with it), or never stored"
+            )
         if ciphertext_commitment(row.ciphertext) != content.get("ciphertext_sha256"):
             raise ContentUnreadableError(f"content {content_id} does not match its commitment")
         try:
@@ -241,9 +314,7 @@ class PrivacyStore:
                         sa.select(keys.key_ref).where(keys.subject_ref == subject_ref)
                     ).scalars()
                 )
-                connection.execute(
-                    sa.delete(privacy_data_keys).where(keys.subject_ref == subject_ref)
-                )
+                deleted = _destroy_keys(connection, refs)
                 self._audit.append_in(
                     connection,
                     ERASURE_KIND,
@@ -253,6 +324,7 @@ class PrivacyStore:
                         "subject_ref": subject_ref,
                         "outcome": "erased",
                         "key_refs": refs,
+                        "content_rows_deleted": deleted,
                     },
                 )
         if held:
@@ -274,7 +346,7 @@ class PrivacyStore:
                 .order_by(keys.created_at)
             ).all()
             for key_ref, created_at in expired:
-                connection.execute(sa.delete(privacy_data_keys).where(keys.key_ref == key_ref))
+                deleted = _destroy_keys(connection, [key_ref])
                 self._audit.append_in(
                     connection,
                     ERASURE_KIND,
@@ -285,6 +357,7 @@ class PrivacyStore:
                         "key_created_at": format_timestamp(created_at),
                         "retention_days": retention_days,
                         "outcome": "erased",
+                        "content_rows_deleted": deleted,
                     },
                 )
                 destroyed.append(key_ref)
