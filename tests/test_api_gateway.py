@@ -360,7 +360,8 @@ def test_admin_manages_keys_over_http(gateway: LiveGateway) -> None:
     )
     assert chat.status_code == 200
     listed = get(gateway, "/v1/admin/keys", "admin").json()
-    assert {"key_id": created.json()["key_id"], "name": "made-over-http", "role": "app"} in listed
+    made = {"key_id": created.json()["key_id"], "name": "made-over-http", "role": "app"}
+    assert {**made, "store_content": None} in listed
     revoked = httpx.delete(
         gateway.base_url + "/v1/admin/keys/made-over-http",
         headers={"authorization": f"Bearer {gateway.keys['admin']}"},
