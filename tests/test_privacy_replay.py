@@ -22,7 +22,7 @@ import torch
 from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
-from engine.divergence import first_difference
+from engine.divergence import ROUNDING_ULPS, first_difference
 from gateway.app import load_local_backend
 from gateway.backends.base import GenerationBackend
 from gateway.cli import app as specgate_cli
@@ -44,6 +44,28 @@ def _perturb_verification(_module: torch.nn.Module, _inputs: Any, output: Any) -
         for row in logits[:, 0]:
             row[row.argmin()] = row.max() + 1.0
     return output
+
+
+def _rounding_noise(seed: int) -> Any:
+    """A forward hook for a bfloat16 target: passes of several rows round differently from
+    one-token steps, every logit moved by up to half ``ROUNDING_ULPS`` ulps at its magnitude
+    (a gap between two logits by up to the bound), as real models' passes do and the tiny
+    models' bfloat16 passes happen not to (tests/test_engine_divergence.py)."""
+    noise = torch.Generator().manual_seed(seed)
+
+    def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> Any:
+        logits = output.logits
+        if logits.shape[1] > 1:
+            wide = logits.float()
+            magnitude = wide.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+            spacing = torch.finfo(torch.bfloat16).eps * torch.exp2(
+                torch.floor(torch.log2(magnitude))
+            )
+            uniform = torch.rand(wide.shape, generator=noise) * 2.0 - 1.0
+            logits.copy_(wide + uniform * spacing * (ROUNDING_ULPS / 2.0))
+        return output
+
+    return hook
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +95,12 @@ def gateway(
                 hook.remove()
 
 
-def _chat(gateway: LiveGateway, method: str) -> Recorded:
+def _chat(gateway: LiveGateway, method: str, prompt: str = PROMPT) -> Recorded:
     response = httpx.post(
         gateway.base_url + "/v1/chat/completions",
         json={
             "model": MODEL,
-            "messages": [{"role": "user", "content": PROMPT}],
+            "messages": [{"role": "user", "content": prompt}],
             "max_tokens": 24,
             "temperature": 0,
             "speculative": {"method": method},
@@ -200,3 +222,50 @@ def test_replay_on_a_second_model_names_the_version_and_claims_no_match(
         f"target_version: recorded {loaded.target_version!r}, loaded {card.target_version!r}"
     ]
     assert report["choices"] == []
+
+
+@pytest.fixture(scope="module")
+def bf16_gateway(
+    models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveGateway]:
+    with fresh_database() as (name, url):
+        settings = gateway_settings(
+            models, tmp_path_factory.mktemp("bf16-data"), url, store_content=True, **NO_FALLBACK
+        ).model_copy(update={"dtype": "bfloat16"})
+        with live_gateway(settings, name) as live:
+            assert live.engine.target_model.dtype == torch.bfloat16
+            hook = live.engine.target_model.register_forward_hook(_rounding_noise(3))
+            try:
+                yield live
+            finally:
+                hook.remove()
+
+
+def test_a_cross_method_replay_in_bfloat16_finds_near_ties_within_rounding(
+    bf16_gateway: LiveGateway,
+) -> None:
+    """Speculative greedy output that leaves plain decoding only where the target's top two
+    logits are closer than bfloat16's rounding: replay says so (``within_rounding``)."""
+    found = []
+    for index in range(24):
+        words = " ".join(f"w{(index * 7 + n) % 13}" for n in range(3))
+        prompt = " ".join([words] * 4)
+        recorded = _chat(bf16_gateway, "ngram", prompt)
+        report = _replay(bf16_gateway, recorded.request.event_id, "none")
+        assert report["replayed"] is True, report
+        [choice] = report["choices"]
+        if choice["match"]:
+            continue
+        [divergence] = choice["divergences"]
+        assert (
+            divergence["output"] == "recorded"
+            and divergence["position"] == (choice["first_difference"])
+        )
+        found.append(divergence)
+        if len(found) == 2:
+            break
+    assert found, "no divergence in 24 prompts: the test would exercise nothing"
+    for divergence in found:
+        assert divergence["dtype"] == "bfloat16"
+        assert 0.0 <= divergence["plain_gap"] <= divergence["bound"], divergence
+        assert divergence["within_rounding"] is True
