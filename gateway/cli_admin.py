@@ -38,6 +38,22 @@ class RoleChoice(StrEnum):
     admin = "admin"
 
 
+class ContentChoice(StrEnum):
+    """A key's content storage: on, off, or the server's ``store_content`` setting."""
+
+    on = "on"
+    off = "off"
+    server = "server"
+
+    @property
+    def store_content(self) -> bool | None:
+        return None if self is ContentChoice.server else self is ContentChoice.on
+
+
+def _content_label(store_content: bool | None) -> str:
+    return "server setting" if store_content is None else ("on" if store_content else "off")
+
+
 def _resolve_url(database_url: str | None) -> str:
     if database_url:
         return database_url
@@ -152,17 +168,46 @@ def keys_revoke(
     typer.echo(f"revoked {key}")
 
 
+@keys_app.command("update")
+def keys_update(
+    key: Annotated[str, typer.Argument(help="Key id (key_...) or name.")],
+    store_content: Annotated[
+        ContentChoice,
+        typer.Option(
+            help="Keep this key's request text, encrypted and erasable: on, off, or follow the "
+            "server's store_content setting."
+        ),
+    ],
+    database_url: DatabaseUrl = None,
+) -> None:
+    """Change an active key's content storage choice (a `key` event, action `updated`)."""
+    from gateway.keys import KeyStoreError
+
+    try:
+        with _key_store(database_url) as store:
+            store.set_store_content(key, store_content.store_content, _cli_actor())
+    except KeyStoreError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{key}: content storage {_content_label(store_content.store_content)}")
+
+
 @keys_app.command("list")
 def keys_list(database_url: DatabaseUrl = None) -> None:
     """List the active keys (never their secrets)."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("key id", "name", "role")
+    table = Table("key id", "name", "role", "content storage")
     with _key_store(database_url) as store:
         principals = store.list()
     for principal in principals:
-        table.add_row(principal.key_id, principal.name, principal.role)
+        table.add_row(
+            principal.key_id,
+            principal.name,
+            principal.role,
+            _content_label(principal.store_content),
+        )
     Console().print(table)
 
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from gateway.audit.log import AuditLog
 from gateway.audit.mac import EventMac
-from gateway.audit.schema import api_keys
+from gateway.audit.schema import api_keys, audit_events
 from gateway.audit.signing import CheckpointSigner
 from gateway.db import make_db_engine
 from gateway.keys import KeyStore, KeyStoreError
@@ -113,6 +113,27 @@ def test_keys_cli_create_list_revoke(db_url: str, db: sa.Engine, tmp_path: Path)
 
     bad_role = runner.invoke(cli, ["keys", "create", "--role", "root", "--name", "x"], env=env)
     assert bad_role.exit_code == 2
+
+    for choice, stored in (("off", False), ("on", True), ("server", None)):
+        updated = runner.invoke(cli, ["keys", "update", "crm", "--store-content", choice], env=env)
+        assert updated.exit_code == 0, updated.output
+        again_principal = store.authenticate(plaintext)
+        assert again_principal is not None and again_principal.store_content is stored
+    listed = runner.invoke(cli, ["keys", "list", "--database-url", db_url], env=env)
+    assert "server setting" in listed.stdout
+    unknown = runner.invoke(cli, ["keys", "update", "nobody", "--store-content", "on"], env=env)
+    assert unknown.exit_code == 1 and "no active key" in unknown.output
+    with db.connect() as connection:
+        changes = [
+            payload["store_content"]
+            for (payload,) in connection.execute(
+                sa.select(audit_events.c.payload)
+                .where(audit_events.c.kind == "key")
+                .order_by(audit_events.c.seq)
+            )
+            if payload["action"] == "updated"
+        ]
+    assert changes == [False, True, None]
 
     revoked = runner.invoke(cli, ["keys", "revoke", principal.key_id], env=env)
     assert revoked.exit_code == 0
