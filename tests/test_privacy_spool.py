@@ -8,6 +8,7 @@ range, which they stop or stall (SIGSTOP) mid-stream.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -164,6 +165,13 @@ def test_a_spooled_completion_keeps_its_stored_text_sealed_on_disk(
     if fault == "stop":
         assert "spool" in completion  # committed by the spool's writer, not the direct attempt
     # The content row is there, matches the event's commitment and decrypts to what was sent.
+    with services.db.connect() as connection:
+        ciphertext = connection.execute(
+            sa.select(privacy_content.c.ciphertext).where(
+                privacy_content.c.content_id == completion["content"]["content_id"]
+            )
+        ).scalar_one()
+    assert hashlib.sha256(ciphertext).hexdigest() == completion["content"]["ciphertext_sha256"]
     stored = services.privacy.read_content(completion["content"])
     assert "".join(choice["text"] for choice in stored["choices"]) == stream.text
     key = services.privacy.existing_key(completion["commitment_key"]["key_ref"])
