@@ -233,7 +233,7 @@ def test_erased_record_cannot_name_events_the_export_lacks(
 
 
 def test_retention_destroys_exactly_the_expired_keys_and_holds_block_both(
-    gateway: LiveGateway, cli_env: None
+    gateway: LiveGateway, cli_env: None, tmp_path: Path
 ) -> None:
     store = privacy(gateway)
     now = datetime.now(UTC)
@@ -278,6 +278,10 @@ def test_retention_destroys_exactly_the_expired_keys_and_holds_block_both(
     assert holds == [("placed", held), ("released", held)]
     refusals = [p for k, p in rows if k == "erasure" and p["outcome"] == "refused_legal_hold"]
     assert [p["subject_ref"] for p in refusals] == [held, held]
+    # With the expired ciphertext deleted, the log and an export still verify.
+    assert gateway.services.audit.verify().ok
+    lines = export(gateway, tmp_path / "export.jsonl").splitlines(keepends=True)
+    assert verify_export(lines, gateway.services.signer.public_key_pem()).ok
 
 
 @pytest.mark.parametrize("method", ["none", "ngram", "draft"])
