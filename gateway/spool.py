@@ -18,7 +18,9 @@ committed payload carries ``spool: {id, spooled_at, delay_s}`` so an auditor see
 A ``keep`` for a direct attempt that merely timed out may race that attempt: the writer waits
 for the attempt to settle and drops the entry if it committed. After a crash the attempt's fate
 is unknown, so on load the log is searched for the event (by spool id, or for a completion by
-its request's event id) before it is committed again: an event is committed once.
+its request's event id) before it is committed again: an event is committed once. An entry
+with sealed content counts as committed when its content row exists (the row and the event
+commit together), also when the direct attempt's answer was lost after its COMMIT.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import structlog
 from gateway.audit.canonical import format_timestamp
 from gateway.audit.log import AppendedEvent, AuditLog, AuditUnavailableError
 from gateway.audit.schema import audit_events
-from gateway.privacy.store import SealedContent, append_with_content
+from gateway.privacy.store import SealedContent, append_with_content, content_stored
 
 log = structlog.get_logger(__name__)
 
@@ -240,6 +242,9 @@ class EventSpool:
             else:
                 self._done(entry)  # it committed after all: nothing to add
                 return
+        if entry.content is not None and content_stored(self._db, entry.content.content_id):
+            self._done(entry)  # committed with its content, though no answer said so
+            return
         if entry.spool_id in self._unchecked:
             if self._already_committed(entry):
                 self._done(entry)

@@ -232,3 +232,21 @@ def _completion_all(db: sa.Engine) -> list[dict[str, Any]]:
     with db.connect() as connection:
         query = sa.select(audit_events.c.payload).where(audit_events.c.kind == "completion")
         return [p for (p,) in connection.execute(query.order_by(audit_events.c.seq))]
+
+
+def test_a_commit_whose_answer_was_lost_is_not_committed_twice(pg_url: str, tmp_path: Path) -> None:
+    """The direct attempt committed, but its answer never came (the connection dropped after
+    COMMIT): the spooled copy finds its content row, so the event stays single and the spool
+    does not stick on the duplicate."""
+    db = make_db_engine(pg_url)
+    audit = AuditLog(db, CheckpointSigner.load_or_create(tmp_path / "signing.pem"))
+    store = PrivacyStore(db, KeyEncryptionKey(b"s" * 32), audit)
+    sealed = SealedContent.seal(store.data_key(store.subject_ref("user:lost")), "completion", [1])
+    spool = EventSpool(tmp_path, audit, db, retry_s=0.1)
+    payload = {"request_event_id": "request-lost", "outcome": "ok"}
+    spool.commit("completion", "key_a", payload, sealed)
+    spool.keep("completion", "key_a", payload, _failed_attempt(), datetime.now(UTC), sealed)
+    spool.drain()
+    assert spool.pending == 0
+    assert [e["request_event_id"] for e in _completion_all(db)] == ["request-lost"]
+    db.dispose()

@@ -120,6 +120,19 @@ def append_with_content(
         raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
 
 
+def content_stored(db: sa.Engine, content_id: str) -> bool:
+    """Whether the content row ``content_id`` exists: then the event stored with it was
+    committed too (one transaction), whatever its committer heard back."""
+    query = sa.select(privacy_content.c.content_id).where(
+        privacy_content.c.content_id == content_id
+    )
+    try:
+        with db.connect() as connection:
+            return connection.execute(query).first() is not None
+    except SQLAlchemyError as exc:
+        raise AuditUnavailableError(f"privacy store unavailable: {exc}") from exc
+
+
 def user_subject(user: str) -> str:
     """The subject id of a request's ``user``."""
     return f"user:{user}"
