@@ -182,6 +182,27 @@ def test_a_cross_method_replay_names_the_first_difference_and_its_logit_gap(
     assert divergence["dtype"] == "float32"
 
 
+def test_when_neither_output_is_plain_both_are_judged_against_a_plain_rerun(
+    gateway: LiveGateway,
+) -> None:
+    _, plain = _tokens(gateway, _chat(gateway, "none"))
+    ngram_record, draft_record = _chat(gateway, "ngram"), _chat(gateway, "draft")
+    outputs = {"recorded": _tokens(gateway, ngram_record)[1]}
+    outputs["replayed"] = _tokens(gateway, draft_record)[1]
+    assert all(first_difference(plain, ids) is not None for ids in outputs.values())
+    report = _replay(gateway, ngram_record.request.event_id, "draft")
+    [choice] = report["choices"]
+    assert choice["first_difference"] == first_difference(outputs["recorded"], outputs["replayed"])
+    found = {d["output"]: d for d in choice["divergences"]}
+    assert set(found) == {"recorded", "replayed"}
+    assert (found["recorded"]["method"], found["replayed"]["method"]) == ("ngram", "draft")
+    for name, ids in outputs.items():
+        position = first_difference(plain, ids)
+        assert found[name]["position"] == position
+        assert position is not None and found[name]["plain_token"] == plain[position]
+        assert found[name]["within_rounding"] is False
+
+
 def test_the_cli_reports_a_divergence_beyond_rounding(gateway: LiveGateway) -> None:
     recorded = _chat(gateway, "ngram")
     result = CliRunner().invoke(
