@@ -32,8 +32,13 @@ from tests.tiny_models import build_model, build_noisy_copy, build_pair, build_t
 
 MODEL = "target"
 PROMPT = "a b c a b c a b c a b"
-# Speculation stays on however little is accepted.
-NO_FALLBACK: dict[str, Any] = {"acceptance_threshold": 0.0, "fallback_min_speedup": 0.0}
+# Speculation stays on however little is accepted, with a fixed k: adaptive k would learn
+# from the perturbed passes to stop proposing, and a later request would meet none.
+SPECULATION: dict[str, Any] = {
+    "acceptance_threshold": 0.0,
+    "fallback_min_speedup": 0.0,
+    "num_speculative_tokens": 3,
+}
 
 
 def _perturb_verification(_module: torch.nn.Module, _inputs: Any, output: Any) -> Any:
@@ -85,7 +90,7 @@ def gateway(
             tmp_path_factory.mktemp("replay-data"),
             url,
             store_content=True,
-            **NO_FALLBACK,
+            **SPECULATION,
         )
         with live_gateway(settings, name) as live:
             hook = live.engine.target_model.register_forward_hook(_perturb_verification)
@@ -224,7 +229,7 @@ def second_backend(
     """The same draft beside another target: same tokenizer and name, other weights."""
     root = tmp_path_factory.mktemp("second-model")
     other = build_model(root / MODEL, build_tokenizer(), seed=5, hidden=64, layers=2)
-    settings = gateway_settings((other, models[1]), root / "data", "sqlite://", **NO_FALLBACK)
+    settings = gateway_settings((other, models[1]), root / "data", "sqlite://", **SPECULATION)
     backend = load_local_backend(settings, lambda _event: None)
     yield backend
     backend.close()
@@ -251,7 +256,7 @@ def bf16_gateway(
 ) -> Iterator[LiveGateway]:
     with fresh_database() as (name, url):
         settings = gateway_settings(
-            models, tmp_path_factory.mktemp("bf16-data"), url, store_content=True, **NO_FALLBACK
+            models, tmp_path_factory.mktemp("bf16-data"), url, store_content=True, **SPECULATION
         ).model_copy(update={"dtype": "bfloat16"})
         with live_gateway(settings, name) as live:
             assert live.engine.target_model.dtype == torch.bfloat16
