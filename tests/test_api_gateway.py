@@ -388,7 +388,8 @@ def test_bootstrap_admin_key_is_stored_once(gateway: LiveGateway) -> None:
     assert BOOTSTRAP_KEY not in json.dumps(startup.payload)
     assert startup.payload["config"]["bootstrap_admin_key_set"] is True
     assert startup.payload["target_version"] == gateway.services.backend.card.target_version
-    assert startup.payload["draft_version"] == gateway.services.backend.card.draft_version
+    assert startup.payload["artefacts"] == list(gateway.services.backend.card.artefacts)
+    assert "draft_version" not in startup.payload  # the artefacts list alone names them
 
 
 # --- bad input: always a 4xx in OpenAI's shape, naming the parameter -------------------
