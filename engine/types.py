@@ -120,12 +120,15 @@ class Figure:
     """One speculation figure of ``GenerationStats``. ``kind``: ``count`` adds up over
     requests (a Prometheus counter), ``per_position`` is a list of counts by position in the
     accepted run (a counter with a ``position`` label), ``ratio`` is derived from the counts,
-    ``label`` and ``flag`` describe the request. ``metric``: the counter's name, for counts."""
+    ``label`` and ``flag`` describe the request. ``metric``: the counter's name, for counts;
+    ``every_request``: the counter counts requests that did not speculate too (others count
+    speculating requests only, so a plain-only server shows no draft series)."""
 
     name: str
     kind: Literal["count", "per_position", "ratio", "label", "flag"]
     description: str
     metric: str | None = None
+    every_request: bool = False
 
 
 # The one list of speculation figures: the response's ``speculative`` extension, the
@@ -163,6 +166,7 @@ SPECULATION_FIGURES: tuple[Figure, ...] = (
         "count",
         "Forward passes of the target model.",
         "specgate_spec_decode_target_passes",
+        every_request=True,
     ),
     Figure("acceptance_rate", "ratio", "Accepted draft tokens / draft tokens proposed."),
     Figure(

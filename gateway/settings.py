@@ -465,6 +465,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         target, demo_draft = _demo_pair()
         draft = draft or demo_draft
         demo_without_draft = draft is None
+    given: dict[str, Path | None] = {"draft": draft, "heads": heads}  # artefact directories
     for name, path in (("target", target), ("draft", draft), ("heads", heads)):
         if path is not None and not path.is_dir():
             raise ConfigError(f"{name}: {path} is not a model directory")
@@ -472,7 +473,7 @@ def engine_config(settings: Settings) -> EngineConfig:
     if method is None and settings.speculative_config is None:
         # The method of the artefact given (engine.methods.default_method); the demo serves
         # with n-gram lookup until its draft is built.
-        method = methods.default_method({"draft": draft, "heads": heads}) or (
+        method = methods.default_method(given) or (
             "ngram" if demo_without_draft else "none"
         )
     updates: dict[str, Any] = {
@@ -513,6 +514,10 @@ def engine_config(settings: Settings) -> EngineConfig:
             tool_call_parser=settings.tool_call_parser,
         )
     except ValidationError as error:
-        if method == "draft" and draft is None:
-            raise ConfigError("method: 'draft' needs a draft model (--draft DIR)") from None
+        artefact = methods.spec(method).artefact if method is not None else None
+        if artefact is not None and given[artefact.config_field] is None:
+            flag = f"--{artefact.config_field} DIR"
+            raise ConfigError(
+                f"method: {method!r} needs a {artefact.description} ({flag})"
+            ) from None
         raise ConfigError(_describe(error)) from None

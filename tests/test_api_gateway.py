@@ -416,7 +416,7 @@ BAD_CHAT: list[tuple[dict[str, Any], str, str | None]] = [
     ({"guided_regex": "(("}, "response_format", None),
     ({"guided_json": {"type": "no-such-type"}}, "response_format", None),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", None),
-    ({"speculative": {"method": "eagle"}}, "speculative.method", None),
+    ({"speculative": {"method": "lookahead"}}, "speculative.method", None),
     (
         {"speculative": {"method": "ngram", "num_speculative_tokens": 0}},
         "speculative.num_speculative_tokens",

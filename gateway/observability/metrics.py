@@ -219,12 +219,15 @@ class Metrics:
         if stats.num_output_tokens:
             self.time_to_first_token.labels(model).observe(stats.time_to_first_token_s)
         figures = stats.speculation()
-        for name, counter in self.speculation_counters.items():
-            value = figures[name]
+        for figure in SPECULATION_FIGURES:
+            counter = self.speculation_counters.get(figure.name)
+            if counter is None or not (figure.every_request or stats.num_drafts):
+                continue
+            value = figures[figure.name]
             if isinstance(value, list):
                 for position, count in enumerate(value):
                     counter.labels(stats.method, model, str(position)).inc(count)
-            elif isinstance(value, int | float) and value:
+            elif isinstance(value, int | float):
                 counter.labels(stats.method, model).inc(value)
 
     def observe_fallback(self, event: FallbackEvent) -> None:
