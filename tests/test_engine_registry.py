@@ -34,6 +34,7 @@ from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.versioning import model_version
 from gateway.audit.schema import audit_events
+from gateway.backends.vllm import served_artefacts, specgate_method
 from tests.api_harness import fresh_database, gateway_settings, live_gateway
 from tests.tiny_models import build_pair
 
@@ -287,3 +288,16 @@ def test_the_gateway_lists_serves_and_audits_a_method_registered_elsewhere(
             completion = _events(db, "completion")[0]
             assert completion["speculative"]["method"] == "echo"
             assert completion["speculative"]["num_drafts"] == speculative["num_drafts"]
+
+
+def test_a_vllm_server_s_method_and_model_are_named_through_the_registry(
+    echo_method: MethodSpec,
+) -> None:
+    assert specgate_method({"method": "draft_model", "model": "/m/d"}) == "draft"
+    assert specgate_method({"method": "echo_vllm", "model": "/m/e"}) == "echo"
+    assert specgate_method({"method": "mtp"}) == "draft"  # runs a model Specgate does not name
+    assert served_artefacts({"method": "echo_vllm", "model": "/m/e"}) == (
+        {"kind": "echo_table", "name": "/m/e", "version": None},
+    )
+    assert served_artefacts({"method": "ngram"}) == ()
+    assert served_artefacts(None) == ()
