@@ -8,7 +8,7 @@ from typing import Any
 
 from gateway.backends.base import BackendCard
 from gateway.privacy.replay import configuration_differences
-from gateway.privacy.report import ReportData, _count
+from gateway.privacy.report import ReportData, _count, render_html
 from gateway.recording import models_in_use, recorded_artefacts
 
 DRAFT = {"kind": "draft_model", "name": "demo-draft", "version": "sha256:" + "d" * 64}
@@ -67,6 +67,8 @@ def test_the_report_lists_old_and_new_records_alike() -> None:
     data = ReportData(since=start, until=start + timedelta(days=1), bucket=timedelta(hours=1))
     _count(data, start, "request", "key", _legacy(DRAFT["version"]))
     _count(data, start, "request", "key", {"key_name": "k", **models_in_use(_card(DRAFT))})
+    served = f"<td>sha256:t</td><td>draft_model demo-draft {DRAFT['version']}</td><td>"
+    assert served in render_html(data)
     assert data.versions == {
         ("m", "sha256:t", f"draft_model demo-draft {DRAFT['version']}"): [
             "2026-12-01T00:00:00.000000+00:00",
