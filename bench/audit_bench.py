@@ -53,7 +53,7 @@ SAMPLE_PAYLOAD = {
     "route": "/v1/chat/completions",
     "model": "specgate-demo",
     "target": {"name": "demo-target", "version": "sha256:" + "a" * 64},
-    "draft": {"name": "demo-draft", "version": "sha256:" + "b" * 64},
+    "artefacts": [{"kind": "draft_model", "name": "demo-draft", "version": "sha256:" + "b" * 64}],
     "speculative": {"method": "draft", "num_speculative_tokens": 4},
     "sampling": {"max_tokens": 128, "temperature": 0.7, "top_p": 0.95, "top_k": 0, "seed": 42},
     "prompt_sha256": "c" * 64,

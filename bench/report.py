@@ -12,6 +12,7 @@ from pathlib import Path
 from bench.costs import PassCosts
 from bench.variants import Run, Variant
 from engine.divergence import Divergence
+from engine.types import GenerationStats
 
 ALL_WORKLOADS = "all"
 # Below this measured speedup a method is not worth switching on.
@@ -141,12 +142,14 @@ def _row(
         for (w, p), repeats in zip(keys, chosen, strict=True)
         for run in repeats
     )
-    stats = [run.stats for repeats in chosen for run in repeats if run.stats is not None]
-    drafted = sum(s.num_draft_tokens for s in stats)
-    accepted = sum(s.num_accepted_tokens for s in stats)
-    drafts = sum(s.num_drafts for s in stats)
-    alpha = accepted / drafted if drafted else None
-    mean_k = drafted / drafts if drafts else None
+    total = GenerationStats(method=variant.method)
+    for repeats in chosen:
+        for run in repeats:
+            if run.stats is not None:
+                total.add_counts(run.stats)
+    drafts = total.num_drafts
+    alpha = total.acceptance_rate if total.num_draft_tokens else None
+    mean_k = total.num_draft_tokens / drafts if drafts else None
     cost_ratio = costs.draft_cost_ratio if variant.method == "draft" else 0.0
     theoretical = (
         theoretical_speedup(alpha, mean_k, cost_ratio)
@@ -161,7 +164,7 @@ def _row(
         seconds=seconds,
         speedup=base_seconds / seconds if seconds > 0 else 0.0,
         acceptance_rate=alpha,
-        mean_acceptance_length=1.0 + accepted / drafts if drafts else None,
+        mean_acceptance_length=total.mean_acceptance_length if drafts else None,
         mean_k=mean_k,
         theoretical=theoretical,
         same_tokens_as_plain=same,

@@ -86,7 +86,8 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engine: Engine) -> 
     header: dict[str, object] = {
         "target": f"{setup.target} ({engine.target_version[:19]}…, {target.dtype})",
         "draft": (
-            f"{setup.draft} ({(engine.draft_version or '')[:19]}…, {draft.dtype})"
+            f"{setup.draft} ({_version_of(engine.artefacts, 'draft_model')[:19]}…, "
+            f"{draft.dtype})"
             if draft is not None
             else "none"
         ),
@@ -133,3 +134,7 @@ def _fmt_ratio(value: float | None) -> str:
 
 def load_engine(setup: BenchSetup) -> Engine:
     return Engine.load(_engine_config(setup))
+
+
+def _version_of(artefacts: tuple[dict[str, str | None], ...], kind: str) -> str:
+    return next((a["version"] or "" for a in artefacts if a["kind"] == kind), "")

@@ -25,9 +25,11 @@ def generate(
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 64,
     draft: Annotated[Path | None, typer.Option(help="Draft model directory.")] = None,
     heads: Annotated[
-        Path | None, typer.Option(help="Medusa heads directory (specgate heads train).")
+        Path | None, typer.Option(help="Heads directory, e.g. Medusa's (specgate heads train).")
     ] = None,
-    method: Annotated[str, typer.Option(help="none | ngram | draft | medusa")] = "none",
+    method: Annotated[
+        str, typer.Option(help="A registered speculation method (engine.methods); none: plain.")
+    ] = "none",
     num_speculative_tokens: Annotated[
         int | None, typer.Option(help="Fixed k; adaptive when left out.")
     ] = None,
@@ -59,7 +61,7 @@ def generate(
             dtype=dtype,  # type: ignore[arg-type]
             device=device,
             speculative=SpeculativeConfig(
-                method=method,  # type: ignore[arg-type]
+                method=method,
                 num_speculative_tokens=num_speculative_tokens,
                 # One request: a fallback switch could only slow it down, never help.
                 acceptance_threshold=0.0,
@@ -85,7 +87,7 @@ def generate(
                 seed=seed,
                 stop=tuple(stop or ()),
             ),
-            SpeculativeChoice(method, num_speculative_tokens),  # type: ignore[arg-type]
+            SpeculativeChoice(method, num_speculative_tokens),
         )
         try:
             handle = engine.submit(request)

@@ -8,25 +8,25 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.types import MODEL_BASED_METHODS, Method
+from engine import methods
+from engine.methods import RegisteredMethod
+from engine.types import Method
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 
-# vLLM's method names, mapped onto ours.
-_VLLM_METHODS: dict[str, Method] = {
-    "ngram": "ngram",
-    "draft_model": "draft",
-    "draft": "draft",
-    "medusa": "medusa",
-}
-
 
 class SpeculativeConfig(BaseModel):
-    """How the engine speculates by default, and when it stops speculating."""
+    """How the engine speculates by default, and when it stops speculating.
 
-    model_config = ConfigDict(extra="forbid")
+    Besides the fields below it holds each registered method's own options (its
+    ``MethodSpec.options``, e.g. Medusa's ``medusa_tree``), flat beside them and defaulted,
+    so the JSON form names them as it names every other key; ``options_for`` reads them back
+    as the method's model. Any other key is refused.
+    """
 
-    method: Method = "none"
+    model_config = ConfigDict(extra="allow")
+
+    method: RegisteredMethod = "none"
     num_speculative_tokens: int | None = Field(
         default=None, ge=1, le=16, description="Fixed K; None lets the engine adapt K per request."
     )
@@ -55,12 +55,7 @@ class SpeculativeConfig(BaseModel):
         default=None, ge=1, description="Decode plainly while at least this many requests wait."
     )
 
-    medusa_tree: list[list[int]] | None = Field(
-        default=None,
-        description="Medusa's static tree as paths of top-k ranks, e.g. [[0], [1], [0, 0]] "
-        "(each after its parent); None: the built-in tree (engine.proposers.medusa).",
-    )
-    acceptance_thresholds: dict[Method, float] = Field(
+    acceptance_thresholds: dict[RegisteredMethod, float] = Field(
         default_factory=dict,
         description="Acceptance threshold per method, overriding acceptance_threshold (e.g. "
         '{"ngram": 0.3}).',
@@ -78,7 +73,24 @@ class SpeculativeConfig(BaseModel):
         proposers, else none (n-gram lookup is judged on its estimated speedup alone)."""
         if method in self.acceptance_thresholds:
             return self.acceptance_thresholds[method]
-        return self.acceptance_threshold if method in MODEL_BASED_METHODS else None
+        return self.acceptance_threshold if method in methods.model_based() else None
+
+    def options_for(self, method: Method) -> BaseModel | None:
+        """The method's own options (its ``MethodSpec.options`` model), None if it has none."""
+        return methods.options_of(method, self.__pydantic_extra__ or {})
+
+    @model_validator(mode="after")
+    def _method_options(self) -> SpeculativeConfig:
+        extra = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
+        unknown = sorted(key for key in extra if methods.option_owner(key) is None)
+        if unknown:
+            raise ValueError(f"unknown speculative configuration keys: {', '.join(unknown)}")
+        for spec in methods.methods().values():
+            if spec.options is not None:
+                given = {k: v for k, v in extra.items() if k in spec.options.model_fields}
+                extra.update(spec.options.model_validate(given).model_dump(mode="json"))
+        self.__pydantic_extra__ = extra
+        return self
 
     @model_validator(mode="after")
     def _thresholds_in_range(self) -> SpeculativeConfig:
@@ -100,7 +112,8 @@ class EngineConfig(BaseModel):
     target: Path
     draft: Path | None = None
     heads: Path | None = Field(
-        default=None, description="Medusa heads trained on the target (specgate heads train)."
+        default=None,
+        description="Heads trained on the target, e.g. Medusa's (specgate heads train).",
     )
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     dtype: DType = "auto"
@@ -149,11 +162,13 @@ class EngineConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _draft_needed(self) -> EngineConfig:
-        if self.speculative.method == "draft" and self.draft is None:
-            raise ValueError("speculative.method 'draft' needs a draft model directory")
-        if self.speculative.method == "medusa" and self.heads is None:
-            raise ValueError("speculative.method 'medusa' needs a heads directory")
+    def _artefact_given(self) -> EngineConfig:
+        method = self.speculative.method
+        artefact = methods.spec(method).artefact
+        if artefact is not None and getattr(self, artefact.config_field) is None:
+            raise ValueError(
+                f"speculative.method {method!r} needs a {artefact.description} directory"
+            )
         return self
 
 
@@ -161,7 +176,7 @@ def speculative_config_from_vllm(
     text_or_obj: str | dict[str, Any],
 ) -> tuple[SpeculativeConfig, Path | None]:
     """Read vLLM's ``--speculative-config`` JSON; returns our config and its ``model`` path
-    (the draft model, or for ``medusa`` the heads directory).
+    (the directory of the method's artefact: a draft model, heads).
 
     Only the keys Specgate implements are accepted; anything else is an error that names it,
     so that an operator never believes a setting was carried over when it was not.
@@ -183,13 +198,13 @@ def speculative_config_from_vllm(
     method_name = obj.get("method")
     if method_name is None:
         method_name = "draft_model" if obj.get("model") else "ngram"
-    if method_name not in _VLLM_METHODS:
+    spec = methods.from_vllm_name(str(method_name))
+    if spec is None:
         raise ValueError(
             f"--speculative-config method {method_name!r} is not supported; "
-            f"use one of {', '.join(sorted(_VLLM_METHODS))}"
+            f"use one of {', '.join(sorted(methods.vllm_names()))}"
         )
-    method = _VLLM_METHODS[method_name]
-    fields: dict[str, Any] = {"method": method}
+    fields: dict[str, Any] = {"method": spec.name}
     for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
         if key in obj:
             fields[key] = obj[key]
@@ -197,7 +212,8 @@ def speculative_config_from_vllm(
         fields["prompt_lookup_min"] = min(1, fields["prompt_lookup_max"])
     if "disable_by_batch_size" in obj:
         fields["disable_by_queue_depth"] = obj["disable_by_batch_size"]
-    model = Path(obj["model"]) if method in ("draft", "medusa") and obj.get("model") else None
-    if method in ("draft", "medusa") and model is None:
+    loads = spec.artefact is not None
+    model = Path(obj["model"]) if loads and obj.get("model") else None
+    if loads and model is None:
         raise ValueError(f"--speculative-config method {method_name!r} needs 'model'")
     return SpeculativeConfig(**fields), model

@@ -332,13 +332,5 @@ class BatchScheduler:
 
 def annotate(span: trace.Span, stats: GenerationStats) -> None:
     span.set_attributes(
-        {
-            "specgate.speculative.method": stats.method,
-            "specgate.speculative.num_draft_tokens": stats.num_draft_tokens,
-            "specgate.speculative.num_accepted_tokens": stats.num_accepted_tokens,
-            "specgate.speculative.acceptance_rate": stats.acceptance_rate,
-            "specgate.speculative.num_target_passes": stats.num_target_passes,
-            "specgate.speculative.fallback_active": stats.fallback_active,
-            "specgate.output_tokens": stats.num_output_tokens,
-        }
+        {**stats.span_attributes(), "specgate.output_tokens": stats.num_output_tokens}
     )

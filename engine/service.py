@@ -7,15 +7,12 @@ overload into an immediate ``QueueFullError`` instead of unbounded latency.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import queue
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,31 +20,28 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from engine import methods
 from engine.adaptive import FallbackMonitor, PassCosts, RunLengths, SpeculationLength
 from engine.batched_cache import supports_batching
 from engine.batched_runner import BatchedRunner
 from engine.compat import continues_exactly
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill
+from engine.delta_channel import DeltaChannel
 from engine.grammar import Grammars
-from engine.heads.medusa import MedusaHeads, load_heads
 from engine.loading import (
-    check_draft_compatible,
     context_window,
     embedding_rows,
-    input_rows,
     load_model,
     load_tokenizer,
     pick_device,
 )
 from engine.logits_processors import LogitsProcessing
 from engine.logprobs import LogprobRecorder
+from engine.methods import PLAIN, LoadContext, LoadedMethod
 from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
-from engine.proposers import DraftModelProposer, NgramProposer, Proposer
-from engine.proposers.medusa import DEFAULT_MEDUSA_TREE, MedusaProposer
-from engine.proposers.translating import TranslatingDraftProposer
-from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
+from engine.proposers import Proposer
 from engine.scheduler import (
     ActiveSequence,
     BatchCosts,
@@ -63,7 +57,6 @@ from engine.types import (
     GenerationRequest,
     GenerationResult,
     GenerationStats,
-    IncompatibleDraftError,
     InvalidRequestError,
     Method,
     MethodUnavailableError,
@@ -71,7 +64,6 @@ from engine.types import (
     QueueFullError,
     SamplingParams,
     StreamDelta,
-    TokenLogprob,
 )
 from engine.versioning import model_version
 
@@ -87,108 +79,20 @@ HISTORY_DECAY = 0.995
 FallbackListener = Callable[[FallbackEvent], None]
 
 
-class RequestHandle:
+class RequestHandle(DeltaChannel):
     """A submitted request: iterate for streamed deltas, or call ``result()``; from an event
-    loop, ``async for`` over ``deltas()`` or await ``result_async()``, which wait without
-    holding a thread (the worker wakes the loop with ``call_soon_threadsafe``)."""
+    loop, ``async for`` over ``deltas()`` or await ``result_async()`` (``engine.delta_channel``).
+    """
 
     def __init__(
         self, request: GenerationRequest, submitted_at: float, grammar: Any = None
     ) -> None:
+        super().__init__(keep_logprobs=request.sampling.logprobs is not None)
         self.request = request
         self.submitted_at = submitted_at
         # The request's compiled constraint (compiled at submit, so a bad one is a 400).
         self.grammar = grammar
         self.otel_context = otel_context.get_current()
-        self._deltas: queue.Queue[StreamDelta | BaseException] = queue.Queue()
-        self._cancelled = threading.Event()
-        self._token_ids: list[int] = []
-        self._text: list[str] = []
-        self._logprobs: list[TokenLogprob] = []
-        self._final: StreamDelta | None = None  # the last delta, once taken
-        self._waker: Callable[[], None] | None = None
-        self._wake_on_final_only = False
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    def put(self, item: StreamDelta | BaseException) -> None:
-        self._deltas.put(item)
-        waker = self._waker
-        final = isinstance(item, BaseException) or item.finish_reason is not None
-        if waker is not None and (final or not self._wake_on_final_only):
-            with contextlib.suppress(RuntimeError):  # the waiting loop closed: none listens
-                waker()
-
-    def _take(self, item: StreamDelta | BaseException) -> StreamDelta:
-        if isinstance(item, BaseException):
-            raise item
-        self._token_ids.extend(item.token_ids)
-        self._text.append(item.text)
-        if item.logprobs:
-            self._logprobs.extend(item.logprobs)
-        if item.finish_reason is not None:
-            self._final = item
-        return item
-
-    def __iter__(self) -> Iterator[StreamDelta]:
-        """The deltas not yet taken (none once the last was: ``result()`` after a caller
-        iterated to the end returns at once instead of waiting for a delta that never comes)."""
-        while self._final is None:
-            item = self._take(self._deltas.get())
-            yield item
-            if item.finish_reason is not None:
-                return
-
-    async def deltas(self, final_only: bool = False) -> AsyncIterator[StreamDelta]:
-        """The deltas, awaited on the running event loop; with ``final_only`` the loop is
-        woken once, when the last delta (or an error) arrives, not for every token."""
-        self._wake_on_final_only = final_only
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-
-        def wake() -> None:
-            loop.call_soon_threadsafe(ready.set)
-
-        self._waker = wake
-        try:
-            while self._final is None:
-                try:
-                    item = self._take(self._deltas.get_nowait())
-                except queue.Empty:
-                    await ready.wait()
-                    ready.clear()
-                    continue
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            self._waker = None
-
-    def _result(self, last: StreamDelta | None) -> GenerationResult:
-        if last is None or last.finish_reason is None or last.stats is None:
-            raise RuntimeError("request ended without a final delta")
-        return GenerationResult(
-            tuple(self._token_ids),
-            "".join(self._text),
-            last.finish_reason,
-            last.stats,
-            tuple(self._logprobs) if self.request.sampling.logprobs is not None else None,
-        )
-
-    def result(self) -> GenerationResult:
-        for _ in self:
-            pass
-        return self._result(self._final)
-
-    async def result_async(self) -> GenerationResult:
-        async for _ in self.deltas(final_only=True):
-            pass
-        return self._result(self._final)
 
 
 @dataclass(frozen=True)
@@ -205,90 +109,62 @@ class Engine:
         target: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         target_version: str,
-        draft: PreTrainedModel | None = None,
-        draft_version: str | None = None,
         on_fallback: FallbackListener | None = None,
-        draft_tokenizer: PreTrainedTokenizerBase | None = None,
-        draft_vocabulary: torch.Tensor | None = None,
-        heads: MedusaHeads | None = None,
-        heads_version: str | None = None,
     ) -> None:
-        """``draft_tokenizer`` given: the draft has its own tokenizer, and proposes through
-        ``TranslatingDraftProposer``."""
+        """Serve ``target``; every registered speculation method the configuration provides
+        for (``engine.methods``) loads its artefacts here."""
         self.config = config
         self.speculative_config: SpeculativeConfig = config.speculative
         self.tokenizer = tokenizer
         self.model_name = config.served_model_name or config.target.name
         self.target_version = target_version
-        self.draft_name = config.draft.name if draft is not None and config.draft else None
-        self.draft_version = draft_version
-        self.heads_version = heads_version
-        # Every versioned artefact speculation loads besides the target, for the audit log.
-        self.artefacts: tuple[dict[str, str], ...] = tuple(
-            {"kind": kind, "name": path.name, "version": version}
-            for kind, path, version in (
-                ("draft_model", config.draft, draft_version),
-                ("medusa_heads", config.heads, heads_version),
-            )
-            if path is not None and version is not None
-        )
         self.max_context = context_window(target.config)
         self.vocab_size = embedding_rows(target)
         self.device = target.device
         self.target_dtype = target.dtype
         self._target = ModelRunner(target)
         # False where the target cannot verify several tokens in one pass (engine.compat):
-        # then no speculation method is offered.
+        # then no speculation method is offered (and none loads its artefacts).
         self.can_speculate = continues_exactly(self._target, self.vocab_size)
         spec = config.speculative
-        ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self._methods: dict[Method, LoadedMethod] = (
+            _load_methods(
+                LoadContext(
+                    config, target, self._target, tokenizer, target_version, self.vocab_size
+                )
+            )
+            if self.can_speculate
+            else {}
+        )
+        # Every versioned artefact speculation loaded besides the target, for the audit log.
+        self.artefacts: tuple[dict[str, str | None], ...] = tuple(
+            artefact.as_dict()
+            for loaded in self._methods.values()
+            for artefact in loaded.artefacts
+        )
         # One proposer per request: a draft proposer keeps its own draft cache, and requests
         # in one batch draft side by side (the n-gram proposer has no state to share).
-        self._new_proposer: dict[Method, Callable[[], Proposer]] = {"ngram": lambda: ngram}
-        if draft is not None and draft_tokenizer is not None:
-            translated_by = draft_tokenizer
-            self._new_proposer["draft"] = lambda: TranslatingDraftProposer(
-                ModelRunner(draft),
-                tokenizer,
-                translated_by,
-                target_ids=self.vocab_size,
-                window=context_window(draft.config),
-            )
-        elif draft is not None:
-            self._new_proposer["draft"] = lambda: DraftModelProposer(
-                ModelRunner(draft),
-                target_ids=self.vocab_size,
-                proposable_ids=min(len(tokenizer), input_rows(draft), self.vocab_size),
-                window=context_window(draft.config),
-                vocabulary=draft_vocabulary,
-            )
-        if heads is not None:
-            medusa_heads = heads
-            tree = spec.medusa_tree
-            medusa_tree = (
-                tuple(tuple(p) for p in tree) if tree is not None else DEFAULT_MEDUSA_TREE
-            )
-            self._new_proposer["medusa"] = lambda: MedusaProposer(
-                medusa_heads, medusa_tree, trees_allowed=self._target.supports_trees
-            )
-        if not self.can_speculate:
-            self._new_proposer = {}
+        self._new_proposer: dict[Method, Callable[[], Proposer]] = {
+            method: loaded.new_proposer for method, loaded in self._methods.items()
+        }
         self._proposers: dict[Method, Proposer] = {
             method: make() for method, make in self._new_proposer.items()
         }
         # Continuous batching where every attention layer is plain full attention; other
         # models (sliding-window, chunked, recurrent layers) are served one request at a time,
-        # and so are Medusa heads, which need hidden states the batched runner does not return.
+        # and so are methods that say they cannot share a batch (Medusa's heads need hidden
+        # states the batched runner does not return).
         self._batching_blocked_by = (
             None
             if supports_batching(target.config)
             else "sliding-window, chunked or recurrent layers"
         )
-        if self._batching_blocked_by is None and heads is not None:
-            self._batching_blocked_by = "Medusa heads need hidden states per pass"
+        for loaded in self._methods.values():
+            if self._batching_blocked_by is None:
+                self._batching_blocked_by = loaded.batching_blocked_by
         self.batching = self._batching_blocked_by is None
         self._batched = BatchedRunner(target, config.max_num_seqs) if self.batching else None
-        self.available_methods: tuple[Method, ...] = ("none", *self._proposers)
+        self.available_methods: tuple[Method, ...] = (PLAIN, *self._proposers)
         self._eos = _eos_ids(target, tokenizer)
         self.grammars = Grammars(tokenizer, self.vocab_size, self._eos)
         threading.Thread(target=self.grammars.prepare, name="specgate-grammar", daemon=True).start()
@@ -319,48 +195,14 @@ class Engine:
 
     @classmethod
     def load(cls, config: EngineConfig, on_fallback: FallbackListener | None = None) -> Engine:
-        """Load target (and draft) from local directories and start the worker."""
+        """Load the target (and each method's artefacts) from local directories and start
+        the worker."""
         device = pick_device(config.device)
         if device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
         tokenizer = load_tokenizer(config.target)
         target = load_model(config.target, device, config.dtype)
-        draft = draft_version = translated = draft_vocabulary = None
-        if config.draft is not None:
-            draft_tokenizer = load_tokenizer(config.draft)
-            draft = load_model(config.draft, device, config.dtype)
-            try:
-                check_draft_compatible(
-                    tokenizer, draft_tokenizer, embedding_rows(draft), embedding_rows(target)
-                )
-            except IncompatibleDraftError:
-                if not config.translate_draft_tokens:
-                    raise
-                translated = draft_tokenizer
-            draft_version = model_version(config.draft)
-            # A subset head serves the draft's own ids; a translated draft keeps its full head.
-            if translated is None:
-                draft_vocabulary = load_head_vocabulary(config.draft, embedding_rows(draft))
-            if draft_vocabulary is not None:
-                restrict_head(draft, draft_vocabulary)
-        target_version = model_version(config.target)
-        heads = heads_version = None
-        if config.heads is not None:
-            heads = _load_medusa(config.heads, target, target_version)
-            heads_version = model_version(config.heads)
-        return cls(
-            config,
-            target,
-            tokenizer,
-            target_version,
-            draft,
-            draft_version,
-            on_fallback,
-            translated,
-            draft_vocabulary,
-            heads,
-            heads_version,
-        )
+        return cls(config, target, tokenizer, model_version(config.target), on_fallback)
 
     @property
     def queue_depth(self) -> int:
@@ -529,7 +371,8 @@ class Engine:
         return _Plan(speculation, method, False)
 
     def _calibrate(self, repeats: int = 3) -> None:
-        """Time target passes of 1 to max_k + 1 tokens, and a draft pass, once at load, so that
+        """Time target passes of 1 to max_k + 1 tokens, and each model-based proposer's pass
+        (``LoadedMethod.calibrate``), once at load, so that
         adaptive k starts from this machine's real costs (refined by every pass served)."""
         max_k = self.speculative_config.max_speculative_tokens
         # Batched passes cost what a pass of as many rows costs (engine.scheduler.BatchCosts):
@@ -553,11 +396,13 @@ class Engine:
         prefill(self._target, prompt[:32])
         for tokens in sizes:
             self._costs.record_target(tokens, seconds(self._target, prompt[32 : 32 + tokens]))
-        draft = self._proposers.get("draft")
-        if isinstance(draft, DraftModelProposer | TranslatingDraftProposer):
-            prefill(draft.runner, prompt[:32])
-            self._costs.record_proposer("draft", seconds(draft.runner, prompt[-1:]))
-            draft.start([])
+        for method, loaded in self._methods.items():
+            proposer = self._proposers[method]
+            runner = None if loaded.calibrate is None else loaded.calibrate(proposer)
+            if runner is not None:
+                prefill(runner, prompt[:32])
+                self._costs.record_proposer(method, seconds(runner, prompt[-1:]))
+                proposer.start([])
 
     def _shed_load(self) -> bool:
         """Step down to plain decoding while too many requests wait (vLLM's batch-size rule)."""
@@ -732,13 +577,23 @@ def _validate_processors(params: SamplingParams, vocab_size: int) -> None:
         )
 
 
-def _load_medusa(heads_dir: Path, target: PreTrainedModel, target_version: str) -> MedusaHeads:
-    head = target.get_output_embeddings()
-    assert isinstance(head, torch.nn.Module)
-    heads = load_heads(
-        heads_dir, head, int(target.config.hidden_size), embedding_rows(target), target_version
-    )
-    return heads.to(device=target.device, dtype=target.dtype)
+def _load_methods(context: LoadContext) -> dict[Method, LoadedMethod]:
+    """Every registered method the configuration provides for: those that load nothing, and
+    those whose artefact directory is given and is theirs (``MethodSpec.recognises``; the
+    configured default method always loads, so that a wrong directory is an error)."""
+    loaded: dict[Method, LoadedMethod] = {}
+    default = context.config.speculative.method
+    for name, spec in methods.methods().items():
+        if spec.load is None:
+            continue
+        directory = context.artefact_dir(spec)
+        if spec.artefact is not None and (
+            directory is None
+            or (spec.recognises is not None and not spec.recognises(directory) and name != default)
+        ):
+            continue
+        loaded[name] = spec.load(context)
+    return loaded
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

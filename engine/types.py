@@ -9,13 +9,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-Method = Literal["none", "ngram", "draft", "medusa"]
-METHODS: tuple[Method, ...] = ("none", "ngram", "draft", "medusa")
-# Proposers that run a model: their proposals cost time, so a low acceptance rate alone
-# says they do not pay (the default acceptance threshold applies to them only).
-# Medusa is not among them: its acceptance rate counts every node of a tree, most of which
-# are alternatives that cannot all be accepted, so it is judged on its estimated speedup.
-MODEL_BASED_METHODS: frozenset[Method] = frozenset({"draft"})
+# A speculation method's name: "none" (plain decoding) or one registered in engine.methods,
+# which checks names where they are configured or requested (``RegisteredMethod``).
+Method = str
 FinishReason = Literal["stop", "length"]
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 # OpenAI's limit on top_logprobs, used for completions' ``logprobs`` too.
@@ -119,9 +115,78 @@ class GenerationRequest:
     request_id: str | None = None
 
 
+@dataclass(frozen=True)
+class Figure:
+    """One speculation figure of ``GenerationStats``. ``kind``: ``count`` adds up over
+    requests (a Prometheus counter), ``per_position`` is a list of counts by position in the
+    accepted run (a counter with a ``position`` label), ``ratio`` is derived from the counts,
+    ``label`` and ``flag`` describe the request. ``metric``: the counter's name, for counts;
+    ``every_request``: the counter counts requests that did not speculate too (others count
+    speculating requests only, so a plain-only server shows no draft series)."""
+
+    name: str
+    kind: Literal["count", "per_position", "ratio", "label", "flag"]
+    description: str
+    metric: str | None = None
+    every_request: bool = False
+
+
+# The one list of speculation figures: the response's ``speculative`` extension, the
+# `completion` audit event, the request spans (``specgate.speculative.<name>``) and the
+# Prometheus counters all report exactly these, by these names (vLLM's per-request names).
+SPECULATION_FIGURES: tuple[Figure, ...] = (
+    Figure("method", "label", "The speculation method used (none: plain decoding)."),
+    Figure(
+        "num_drafts",
+        "count",
+        "Speculative steps (draft proposals verified).",
+        "specgate_spec_decode_num_drafts",
+    ),
+    Figure(
+        "num_draft_tokens",
+        "count",
+        "Draft tokens proposed.",
+        "specgate_spec_decode_num_draft_tokens",
+    ),
+    Figure(
+        "num_accepted_tokens",
+        "count",
+        "Draft tokens accepted by the target.",
+        "specgate_spec_decode_num_accepted_tokens",
+    ),
+    Figure(
+        "num_accepted_tokens_per_pos",
+        "per_position",
+        "Steps that accepted a token at this position of the accepted run (vLLM's "
+        "spec_decode_num_accepted_tokens_per_pos).",
+        "specgate_spec_decode_num_accepted_tokens_per_pos",
+    ),
+    Figure(
+        "num_target_passes",
+        "count",
+        "Forward passes of the target model.",
+        "specgate_spec_decode_target_passes",
+        every_request=True,
+    ),
+    Figure("acceptance_rate", "ratio", "Accepted draft tokens / draft tokens proposed."),
+    Figure(
+        "mean_acceptance_length", "ratio", "Tokens per speculative step: 1 + accepted / drafts."
+    ),
+    Figure("fallback_active", "flag", "Speculation was switched off for this request."),
+    Figure(
+        "acceptance_source",
+        "label",
+        "Where the acceptance figures come from: engine, per_request or interval.",
+    ),
+)
+SPECULATION_FIELDS: tuple[str, ...] = tuple(f.name for f in SPECULATION_FIGURES)
+FigureValue = str | int | float | bool | list[int]
+
+
 @dataclass
 class GenerationStats:
-    """Per-request figures, named as vLLM names its per-request speculative metrics."""
+    """Per-request figures, named as vLLM names its per-request speculative metrics; the
+    speculation figures among them are ``SPECULATION_FIGURES``."""
 
     method: Method
     num_prompt_tokens: int = 0
@@ -167,24 +232,39 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.num_output_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
 
+    def speculation(self) -> dict[str, FigureValue]:
+        """The speculation figures (``SPECULATION_FIGURES``) by name, JSON-ready."""
+        figures: dict[str, FigureValue] = {}
+        for figure in SPECULATION_FIGURES:
+            value = getattr(self, figure.name)
+            figures[figure.name] = list(value) if isinstance(value, list) else value
+        return figures
+
+    def span_attributes(self) -> dict[str, FigureValue]:
+        """The speculation figures as OpenTelemetry attributes ``specgate.speculative.*``."""
+        return {f"specgate.speculative.{k}": v for k, v in self.speculation().items()}
+
+    def add_counts(self, other: GenerationStats) -> None:
+        """Add ``other``'s counted figures (``count`` and ``per_position``) to these."""
+        for figure in SPECULATION_FIGURES:
+            if figure.kind == "count":
+                total = getattr(self, figure.name) + getattr(other, figure.name)
+                setattr(self, figure.name, total)
+            elif figure.kind == "per_position":
+                mine, theirs = getattr(self, figure.name), getattr(other, figure.name)
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for i, count in enumerate(theirs):
+                    mine[i] += count
+
     def as_dict(self) -> dict[str, object]:
         return {
-            "method": self.method,
+            **self.speculation(),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_output_tokens": self.num_output_tokens,
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "acceptance_rate": self.acceptance_rate,
-            "mean_acceptance_length": self.mean_acceptance_length,
-            "num_target_passes": self.num_target_passes,
-            "fallback_active": self.fallback_active,
             "time_to_first_token_s": self.time_to_first_token_s,
             "total_time_s": self.total_time_s,
             "tokens_per_second": self.tokens_per_second,
-            "acceptance_source": self.acceptance_source,
             "replica": self.replica,
-            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
         }
 
 

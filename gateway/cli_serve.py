@@ -21,7 +21,8 @@ def serve(
         Path | None, typer.Option(help="Medusa heads directory (specgate heads train).")
     ] = None,
     method: Annotated[
-        str | None, typer.Option(help="Default speculation: none, ngram, draft or medusa.")
+        str | None,
+        typer.Option(help="Default speculation: none, ngram, draft, medusa (engine.methods)."),
     ] = None,
     num_speculative_tokens: Annotated[
         int | None, typer.Option(help="Fixed K; unset lets the engine adapt K.")

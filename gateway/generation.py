@@ -505,15 +505,7 @@ def build_job(
 
 
 def speculative_usage(stats: GenerationStats) -> SpeculativeUsage:
-    return SpeculativeUsage(
-        method=stats.method,
-        num_drafts=stats.num_drafts,
-        num_draft_tokens=stats.num_draft_tokens,
-        num_accepted_tokens=stats.num_accepted_tokens,
-        acceptance_rate=stats.acceptance_rate,
-        mean_acceptance_length=stats.mean_acceptance_length,
-        fallback_active=stats.fallback_active,
-    )
+    return SpeculativeUsage.model_validate(stats.speculation())
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -19,4 +19,5 @@ def demo_draft_missing(settings: Settings, draft: object | None) -> bool:
 
 
 def serving_notes(settings: Settings, card: BackendCard) -> list[str]:
-    return [DEMO_DRAFT_MISSING] if demo_draft_missing(settings, card.draft_name) else []
+    draft = True if card.has_artefact("draft_model") else None
+    return [DEMO_DRAFT_MISSING] if demo_draft_missing(settings, draft) else []

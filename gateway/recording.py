@@ -62,13 +62,25 @@ async def append_durably(
 
 
 def models_in_use(card: BackendCard) -> dict[str, Any]:
+    """The model and every versioned artefact besides it, as `startup` and `request` events
+    record them."""
     return {
         "model": card.model_name,
         "target_version": card.target_version,
-        "draft": card.draft_name,
-        "draft_version": card.draft_version,
         "artefacts": [dict(a) for a in card.artefacts],
     }
+
+
+def recorded_artefacts(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The artefacts a `startup` or `request` event records. Events written before the
+    generic list (until stop 22) named a draft model only, in ``draft``/``draft_version``;
+    those read as the one ``draft_model`` artefact they describe."""
+    if "artefacts" in payload:
+        return [dict(a) for a in payload["artefacts"]]
+    if payload.get("draft_version") is None:
+        return []
+    legacy_draft = {"name": payload.get("draft"), "version": payload["draft_version"]}
+    return [{"kind": "draft_model", **legacy_draft}]
 
 
 def startup_payload(settings: Settings, card: BackendCard) -> dict[str, Any]:
@@ -189,12 +201,9 @@ def combined_stats(all_stats: Sequence[GenerationStats]) -> GenerationStats | No
         return None
     total = GenerationStats(method=all_stats[0].method)
     for stats in all_stats:
+        total.add_counts(stats)
         total.num_prompt_tokens = stats.num_prompt_tokens
         total.num_output_tokens += stats.num_output_tokens
-        total.num_drafts += stats.num_drafts
-        total.num_draft_tokens += stats.num_draft_tokens
-        total.num_accepted_tokens += stats.num_accepted_tokens
-        total.num_target_passes += stats.num_target_passes
         total.fallback_active = total.fallback_active or stats.fallback_active
         total.total_time_s = max(total.total_time_s, stats.total_time_s)
         if stats.acceptance_source != "engine":
@@ -235,16 +244,7 @@ def completion_payload(
         "fallback_active": None,
     }
     if stats is not None:
-        payload["speculative"] = {
-            "method": stats.method,
-            "num_drafts": stats.num_drafts,
-            "num_draft_tokens": stats.num_draft_tokens,
-            "num_accepted_tokens": stats.num_accepted_tokens,
-            "acceptance_rate": stats.acceptance_rate,
-            "mean_acceptance_length": stats.mean_acceptance_length,
-            "num_target_passes": stats.num_target_passes,
-            "acceptance_source": stats.acceptance_source,
-        }
+        payload["speculative"] = stats.speculation()
         payload["replica"] = stats.replica
         payload["fallback_active"] = stats.fallback_active
         payload["time_to_first_token_s"] = stats.time_to_first_token_s

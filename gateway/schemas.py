@@ -22,7 +22,8 @@ from pydantic import (
     model_validator,
 )
 
-from engine.types import MAX_TOP_LOGPROBS, Method
+from engine.methods import RegisteredMethod
+from engine.types import MAX_TOP_LOGPROBS, AcceptanceSource, Method
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_CHOICES = 16
@@ -71,7 +72,7 @@ class _Strict(BaseModel):
 
 
 class SpeculativeRequest(_Strict):
-    method: Method
+    method: RegisteredMethod
     num_speculative_tokens: int | None = Field(default=None, ge=1, le=16)
 
 
@@ -320,15 +321,19 @@ class Usage(BaseModel):
 
 
 class SpeculativeUsage(BaseModel):
-    """Specgate extension: how speculation went for this response (all choices together)."""
+    """Specgate extension: how speculation went for this response (all choices together);
+    the fields are ``engine.types.SPECULATION_FIGURES``."""
 
     method: Method
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list[int]
+    num_target_passes: int
     acceptance_rate: float
     mean_acceptance_length: float
     fallback_active: bool
+    acceptance_source: AcceptanceSource
 
 
 class TopLogprob(BaseModel):
@@ -397,14 +402,25 @@ class Completion(BaseModel):
     speculative: SpeculativeUsage
 
 
+class Artefact(BaseModel):
+    """One versioned artefact (``engine.methods.Artefact``); ``version`` None where a remote
+    server does not report it."""
+
+    kind: str
+    name: str | None
+    version: str | None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specgate"
     target_version: str
-    draft: str | None
-    draft_version: str | None
+    artefacts: list[Artefact] = Field(
+        default_factory=list,
+        description="Versioned artefacts served besides the target (a draft model, heads).",
+    )
     speculative_methods: list[Method]
     max_context: int
     notes: list[str] = Field(

@@ -20,8 +20,9 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from engine import methods
 from engine.config import DType, EngineConfig, SpeculativeConfig, speculative_config_from_vllm
-from engine.types import Method
+from engine.methods import RegisteredMethod
 from gateway.audit.log import APPEND_LOCK_TIMEOUT_S
 from gateway.audit.signing import DEFAULT_ORIGIN
 from gateway.privacy.store import RETENTION_DAYS_DEFAULT
@@ -111,7 +112,7 @@ class Settings(BaseSettings):
     heads: Path | None = Field(
         default=None, description="Medusa heads directory (specgate heads train)."
     )
-    method: Method | None = Field(
+    method: RegisteredMethod | None = Field(
         default=None,
         description="Default speculation; None: 'draft' when a draft is loaded, else 'none'.",
     )
@@ -200,7 +201,7 @@ class Settings(BaseSettings):
         ge=0.0,
         description="Switch a method off while its estimated speedup stays below this (0: never).",
     )
-    acceptance_thresholds: dict[Method, float] = Field(
+    acceptance_thresholds: dict[RegisteredMethod, float] = Field(
         default_factory=dict,
         description="Acceptance threshold per method, e.g. {\"ngram\": 0.3}; by default only "
         "the draft model has one (acceptance_threshold).",
@@ -449,30 +450,31 @@ DEMO_MODEL_NAME = "specgate-demo"
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine configuration the settings describe, checked before anything is loaded."""
     speculative = SpeculativeConfig()
-    draft, heads = settings.draft, settings.heads
+    artefact_dirs: dict[str, Path | None] = {"draft": settings.draft, "heads": settings.heads}
     if settings.speculative_config is not None:
         speculative, vllm_model = speculative_config_from_vllm(settings.speculative_config)
-        if speculative.method == "medusa":
-            heads = heads or vllm_model
-        else:
-            draft = draft or vllm_model
+        artefact = methods.spec(speculative.method).artefact
+        if artefact is not None:
+            artefact_dirs[artefact.config_field] = (
+                artefact_dirs[artefact.config_field] or vllm_model
+            )
+    draft, heads = artefact_dirs["draft"], artefact_dirs["heads"]
     target = settings.target
     demo_without_draft = False
     if target is None:
         target, demo_draft = _demo_pair()
         draft = draft or demo_draft
         demo_without_draft = draft is None
+    given: dict[str, Path | None] = {"draft": draft, "heads": heads}  # artefact directories
     for name, path in (("target", target), ("draft", draft), ("heads", heads)):
         if path is not None and not path.is_dir():
             raise ConfigError(f"{name}: {path} is not a model directory")
     method = settings.method
     if method is None and settings.speculative_config is None:
-        # The demo serves with n-gram lookup until its draft is built.
-        method = (
-            "draft" if draft is not None
-            else "medusa" if heads is not None
-            else "ngram" if demo_without_draft
-            else "none"
+        # The method of the artefact given (engine.methods.default_method); the demo serves
+        # with n-gram lookup until its draft is built.
+        method = methods.default_method(given) or (
+            "ngram" if demo_without_draft else "none"
         )
     updates: dict[str, Any] = {
         "max_speculative_tokens": settings.max_speculative_tokens,
@@ -512,6 +514,10 @@ def engine_config(settings: Settings) -> EngineConfig:
             tool_call_parser=settings.tool_call_parser,
         )
     except ValidationError as error:
-        if method == "draft" and draft is None:
-            raise ConfigError("method: 'draft' needs a draft model (--draft DIR)") from None
+        artefact = methods.spec(method).artefact if method is not None else None
+        if artefact is not None and given[artefact.config_field] is None:
+            flag = f"--{artefact.config_field} DIR"
+            raise ConfigError(
+                f"method: {method!r} needs a {artefact.description} ({flag})"
+            ) from None
         raise ConfigError(_describe(error)) from None

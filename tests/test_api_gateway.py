@@ -21,6 +21,7 @@ from openai.types.chat import ChatCompletion
 from psycopg import sql
 from pydantic import BaseModel
 
+from engine.types import SPECULATION_FIELDS
 from gateway.audit.schema import audit_events
 from gateway.audit.verify import verify_export
 from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway, pg_admin
@@ -157,15 +158,7 @@ def test_chat_completion_with_the_openai_client(
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
     speculative = speculative_of(reply)
     assert speculative["method"] == "draft"
-    assert set(speculative) == {
-        "method",
-        "num_drafts",
-        "num_draft_tokens",
-        "num_accepted_tokens",
-        "acceptance_rate",
-        "mean_acceptance_length",
-        "fallback_active",
-    }
+    assert set(speculative) == set(SPECULATION_FIELDS)
     if speculative["num_draft_tokens"]:
         rate = speculative["num_accepted_tokens"] / speculative["num_draft_tokens"]
         assert speculative["acceptance_rate"] == pytest.approx(rate)
@@ -389,7 +382,8 @@ def test_bootstrap_admin_key_is_stored_once(gateway: LiveGateway) -> None:
     assert BOOTSTRAP_KEY not in json.dumps(startup.payload)
     assert startup.payload["config"]["bootstrap_admin_key_set"] is True
     assert startup.payload["target_version"] == gateway.services.backend.card.target_version
-    assert startup.payload["draft_version"] == gateway.services.backend.card.draft_version
+    assert startup.payload["artefacts"] == list(gateway.services.backend.card.artefacts)
+    assert "draft_version" not in startup.payload  # the artefacts list alone names them
 
 
 # --- bad input: always a 4xx in OpenAI's shape, naming the parameter -------------------
@@ -416,7 +410,7 @@ BAD_CHAT: list[tuple[dict[str, Any], str, str | None]] = [
     ({"guided_regex": "(("}, "response_format", None),
     ({"guided_json": {"type": "no-such-type"}}, "response_format", None),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", None),
-    ({"speculative": {"method": "eagle"}}, "speculative.method", None),
+    ({"speculative": {"method": "lookahead"}}, "speculative.method", None),
     (
         {"speculative": {"method": "ngram", "num_speculative_tokens": 0}},
         "speculative.num_speculative_tokens",
@@ -550,7 +544,8 @@ def test_audit_id_names_the_request_and_its_completion(gateway: LiveGateway) -> 
     payload = request.payload
     assert payload["key_id"] == key.key_id and payload["key_name"] == "test-app"
     assert payload["route"] == "/v1/chat/completions"
-    assert payload["model"] == MODEL and payload["draft"] == "draft"
+    assert payload["model"] == MODEL
+    assert [(a["kind"], a["name"]) for a in payload["artefacts"]] == [("draft_model", "draft")]
     assert payload["target_version"] == gateway.services.backend.card.target_version
     assert payload["sampling"] == {
         "max_tokens": 8,

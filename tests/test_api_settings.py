@@ -3,6 +3,7 @@ field, the demo-pair default, and the per-request speculation choice."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -151,13 +152,26 @@ def test_the_demo_without_its_draft_says_how_to_build_it(
         return [entry["event"] for entry in logs if entry["log_level"] == "warning"]
 
     assert warnings() == ["demo_draft_missing"]
-    card = SimpleNamespace(draft_name=None)  # what /readyz and /v1/models show comes from this
-    assert serving_notes(load_settings(), card) == [DEMO_DRAFT_MISSING]  # type: ignore[arg-type]
+    card = BackendCard(  # what /readyz and /v1/models show comes from this
+        model_name="m",
+        target_version="v",
+        max_context=64,
+        vocab_size=64,
+        available_methods=("none", "ngram"),
+        speculative_config={},
+        default_method="ngram",
+        default_num_speculative_tokens=None,
+    )
+    assert serving_notes(load_settings(), card) == [DEMO_DRAFT_MISSING]
+    with_draft = dataclasses.replace(
+        card, artefacts=({"kind": "draft_model", "name": "draft", "version": "sha256:d"},)
+    )
+    assert serving_notes(load_settings(), with_draft) == []
     assert "specgate models build-demo" in DEMO_DRAFT_MISSING
     fake_model(demo / "draft")
     assert warnings() == []
     assert [config.draft for config in loaded] == [None, demo / "draft"]
-    assert serving_notes(load_settings(target=demo / "target"), card) == []  # type: ignore[arg-type]
+    assert serving_notes(load_settings(target=demo / "target"), card) == []
 
 
 def test_engine_configuration_from_flags_and_vllm_json(tmp_path: Path) -> None:

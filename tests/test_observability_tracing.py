@@ -150,8 +150,10 @@ def test_genai_span_reaches_a_real_otlp_http_receiver_without_content() -> None:
         "specgate.speculative.num_accepted_tokens": 6,
         "specgate.speculative.acceptance_rate": 0.5,
         "specgate.speculative.mean_acceptance_length": 3.0,
+        "specgate.speculative.num_accepted_tokens_per_pos": [],
         "specgate.speculative.num_target_passes": 4,
         "specgate.speculative.fallback_active": False,
+        "specgate.speculative.acceptance_source": "engine",
         "specgate.time_to_first_token_s": 0.0,
     }
     assert genai.resource["service.name"] == "specgate"

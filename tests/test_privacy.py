@@ -422,8 +422,10 @@ def test_compliance_report_has_this_tests_figures_and_renders_in_chromium(
     assert dom.count("<svg") == 3
     assert "test-app" in dom and "auditor" in dom
     card = gateway.services.backend.card
+    (draft,) = card.artefacts
     served = (
-        f"<td>{card.target_version}</td><td>{card.draft_name}</td><td>{card.draft_version}</td>"
+        f"<td>{card.target_version}</td>"
+        f"<td>draft_model {draft['name']} {draft['version']}</td>"
     )
     assert f"{served}<td>" in dom
     screenshot = tmp_path / "report.png"

@@ -14,18 +14,39 @@ sorted ids its head rows stand for; see ``engine.proposers.vocabulary``) scores 
 rows and proposes only those tokens: q is 0 elsewhere, which rejection sampling handles like
 any other q. Past its own ``window`` of positions (a draft built for a shorter context than
 the target's) it steps aside: it proposes nothing and the target decodes plainly.
+
+Registered as the method ``draft`` (vLLM's ``draft_model``); it loads the model in
+``EngineConfig.draft``, recorded in the audit log as a ``draft_model`` artefact.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.loading import input_rows
+from engine.loading import (
+    check_draft_compatible,
+    context_window,
+    embedding_rows,
+    input_rows,
+    load_model,
+    load_tokenizer,
+)
 from engine.logits_processors import LogitsProcessing
+from engine.methods import (
+    Artefact,
+    ArtefactSpec,
+    LoadContext,
+    LoadedMethod,
+    MethodSpec,
+    register,
+)
 from engine.model_runner import ModelRunner
-from engine.proposers.base import Proposal
+from engine.proposers.base import Proposal, Proposer
+from engine.proposers.translating import TranslatingDraftProposer
+from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
 from engine.sampling import probabilities, sample
-from engine.types import Method, SamplingParams
+from engine.types import IncompatibleDraftError, Method, SamplingParams
+from engine.versioning import model_version
 
 
 class DraftModelProposer:
@@ -136,3 +157,68 @@ class DraftModelProposer:
             keep += 1
         self.runner.truncate(keep)
         del self.cached[keep:]
+
+
+def _load(context: LoadContext) -> LoadedMethod:
+    """The draft model in ``config.draft``, checked against the target's vocabulary; one with
+    another tokenizer proposes through ``TranslatingDraftProposer`` where the configuration
+    allows it (``translate_draft_tokens``), else it is refused."""
+    config = context.config
+    directory = context.artefact_dir(DRAFT)
+    assert directory is not None  # EngineConfig refuses the method without one
+    target = context.target
+    draft_tokenizer = load_tokenizer(directory)
+    draft = load_model(directory, target.device, config.dtype)
+    try:
+        check_draft_compatible(
+            context.tokenizer, draft_tokenizer, embedding_rows(draft), embedding_rows(target)
+        )
+        translated = False
+    except IncompatibleDraftError:
+        if not config.translate_draft_tokens:
+            raise
+        translated = True
+    artefacts = (Artefact("draft_model", directory.name, model_version(directory)),)
+    window = context_window(draft.config)
+    target_ids = context.vocab_size
+    if translated:  # a translated draft keeps its full head, over its own ids
+        tokenizer = context.tokenizer
+        return LoadedMethod(
+            lambda: TranslatingDraftProposer(
+                ModelRunner(draft), tokenizer, draft_tokenizer, target_ids=target_ids, window=window
+            ),
+            artefacts,
+            calibrate=_runner,
+        )
+    vocabulary = load_head_vocabulary(directory, embedding_rows(draft))
+    if vocabulary is not None:
+        restrict_head(draft, vocabulary)
+    proposable = min(len(context.tokenizer), input_rows(draft), target_ids)
+    return LoadedMethod(
+        lambda: DraftModelProposer(
+            ModelRunner(draft),
+            target_ids=target_ids,
+            proposable_ids=proposable,
+            window=window,
+            vocabulary=vocabulary,
+        ),
+        artefacts,
+        calibrate=_runner,
+    )
+
+
+def _runner(proposer: Proposer) -> ModelRunner | None:
+    """A draft's cost per proposed token is one pass of its model."""
+    assert isinstance(proposer, DraftModelProposer | TranslatingDraftProposer)
+    return proposer.runner
+
+
+DRAFT = register(
+    MethodSpec(
+        name="draft",
+        vllm_names=("draft_model", "draft"),
+        artefact=ArtefactSpec("draft_model", "draft", "draft model"),
+        model_based=True,
+        load=_load,
+    )
+)

@@ -6,16 +6,26 @@ head 1's second best under it, and so on; every path's parent comes before it, s
 k paths are always a tree (adaptive k trims the tree from its end). The picks are
 deterministic, so the proposal's q is one-hot (``probs`` None), which is what keeps tree
 verification exact for sampled requests too.
+
+Registered as the method ``medusa`` (vLLM's name too). It loads the heads in
+``EngineConfig.heads`` (a ``medusa_heads`` artefact in the audit log) and adds one key to the
+speculative configuration, ``medusa_tree`` (``MedusaOptions``).
 """
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
 
-from engine.heads.medusa import MedusaHeads
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.heads.medusa import HeadsMismatchError, MedusaHeads, load_heads, read_config
+from engine.loading import embedding_rows
 from engine.logits_processors import LogitsProcessing
+from engine.methods import Artefact, ArtefactSpec, LoadContext, LoadedMethod, MethodSpec, register
 from engine.proposers.base import Proposal
 from engine.types import Method, SamplingParams
+from engine.versioning import model_version
 
 # Ordered roughly by how often such a node is accepted (head 0's top ranks first).
 DEFAULT_MEDUSA_TREE: tuple[tuple[int, ...], ...] = (
@@ -94,3 +104,73 @@ class MedusaProposer:
 
     def accepted(self, context: list[int]) -> None:
         return None
+
+
+class MedusaOptions(BaseModel):
+    """Medusa's key in the speculative configuration."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    medusa_tree: list[list[int]] | None = Field(
+        default=None,
+        description="Medusa's static tree as paths of top-k ranks, e.g. [[0], [1], [0, 0]] "
+        "(each after its parent); None: the built-in tree (engine.proposers.medusa).",
+    )
+
+    @field_validator("medusa_tree")
+    @classmethod
+    def _a_tree(cls, tree: list[list[int]] | None) -> list[list[int]] | None:
+        if tree is not None:
+            check_tree(tuple(tuple(path) for path in tree))
+        return tree
+
+    def tree(self) -> tuple[tuple[int, ...], ...]:
+        if self.medusa_tree is None:
+            return DEFAULT_MEDUSA_TREE
+        return tuple(tuple(path) for path in self.medusa_tree)
+
+
+def _load(context: LoadContext) -> LoadedMethod:
+    """The heads in ``config.heads``; heads trained on another version of the target are
+    refused (``engine.heads.medusa.load_heads``)."""
+    directory = context.artefact_dir(MEDUSA)
+    assert directory is not None  # EngineConfig refuses the method without one
+    target = context.target
+    head = target.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    heads = load_heads(
+        directory,
+        head,
+        int(target.config.hidden_size),
+        embedding_rows(target),
+        context.target_version,
+    ).to(device=target.device, dtype=target.dtype)
+    options = context.config.speculative.options_for("medusa")
+    assert isinstance(options, MedusaOptions)
+    tree = options.tree()
+    trees_allowed = context.target_runner.supports_trees
+    return LoadedMethod(
+        lambda: MedusaProposer(heads, tree, trees_allowed=trees_allowed),
+        (Artefact("medusa_heads", directory.name, model_version(directory)),),
+        batching_blocked_by="Medusa heads need hidden states per pass",
+    )
+
+
+def _holds_medusa_heads(directory: Path) -> bool:
+    try:
+        read_config(directory)
+    except (OSError, ValueError, KeyError, HeadsMismatchError):
+        return False
+    return True
+
+
+MEDUSA = register(
+    MethodSpec(
+        name="medusa",
+        vllm_names=("medusa",),
+        options=MedusaOptions,
+        artefact=ArtefactSpec("medusa_heads", "heads", "heads"),
+        recognises=_holds_medusa_heads,
+        load=_load,
+    )
+)

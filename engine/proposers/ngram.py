@@ -5,13 +5,16 @@ The continuation is copied as LZ77 copies, overlapping itself: where it reaches 
 sequence it goes on with the tokens it has just proposed. Without that, a proposal taken from
 the latest match in text that repeats with period p could never be longer than p tokens.
 Hugging Face's prompt lookup takes the earliest match instead, which avoids that limit but
-proposes from the staler part of the sequence."""
+proposes from the staler part of the sequence.
+
+Registered as the method ``ngram`` (vLLM's name too); it loads nothing."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.logits_processors import LogitsProcessing
+from engine.methods import LoadContext, LoadedMethod, MethodSpec, register
 from engine.proposers.base import Proposal
 from engine.types import Method, SamplingParams
 
@@ -56,3 +59,13 @@ class NgramProposer:
 
     def accepted(self, context: list[int]) -> None:
         return None
+
+
+def _load(context: LoadContext) -> LoadedMethod:
+    speculative = context.config.speculative
+    # No state between calls, so every request can share one proposer.
+    proposer = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+    return LoadedMethod(lambda: proposer)
+
+
+NGRAM = register(MethodSpec(name="ngram", vllm_names=("ngram",), load=_load))

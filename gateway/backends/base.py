@@ -29,8 +29,6 @@ class BackendCard:
 
     model_name: str
     target_version: str
-    draft_name: str | None
-    draft_version: str | None
     max_context: int
     vocab_size: int
     available_methods: tuple[Method, ...]
@@ -42,8 +40,13 @@ class BackendCard:
     tool_call_parser: str = "hermes"
     # How requests share the model: "continuous (max_num_seqs=N)", or one at a time and why.
     batching: str = "one request at a time"
-    # Versioned artefacts besides the target: {"kind", "name", "version"} each.
-    artefacts: tuple[dict[str, str], ...] = ()
+    # Versioned artefacts besides the target (a draft model, heads): {"kind", "name",
+    # "version"} each (``engine.methods.Artefact``); version None where a remote server
+    # does not report it.
+    artefacts: tuple[dict[str, str | None], ...] = ()
+
+    def has_artefact(self, kind: str) -> bool:
+        return any(artefact["kind"] == kind for artefact in self.artefacts)
 
 
 @dataclass(frozen=True)

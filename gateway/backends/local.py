@@ -28,8 +28,6 @@ class LocalBackend:
         self._card = BackendCard(
             model_name=engine.model_name,
             target_version=engine.target_version,
-            draft_name=engine.draft_name,
-            draft_version=engine.draft_version,
             max_context=engine.max_context,
             vocab_size=engine.vocab_size,
             available_methods=engine.available_methods,

@@ -27,7 +27,9 @@ from typing import Any, TypeVar
 import httpx
 import structlog
 
+from engine import methods
 from engine.adaptive import FallbackMonitor, PassCosts
+from engine.delta_channel import DeltaChannel
 from engine.types import (
     BackendUnavailableError,
     FallbackEvent,
@@ -42,7 +44,6 @@ from engine.types import (
 )
 from engine.versioning import read_manifest
 from gateway.backends.base import BackendCard, BackendHealth
-from gateway.backends.handoff import HandedOffGeneration
 from gateway.backends.vllm_acceptance import IntervalAttribution, SpecFigures
 from gateway.backends.vllm_replicas import Pool, Replica, ReplicaEvent, Replicas
 from gateway.backends.vllm_wire import (
@@ -57,9 +58,6 @@ from gateway.settings import ConfigError, Settings
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
-# vLLM's speculative methods as Specgate names them: n-gram lookup is ``ngram``; every
-# method that runs a model (a draft, EAGLE heads, MTP, Medusa) is model-based, ``draft``.
-_METHOD_NAMES: dict[str, Method] = {"ngram": "ngram"}
 # vocab_size for the card when no model_dir names the config: vLLM checks prompt ids itself.
 _UNKNOWN_VOCAB = 2**31 - 1
 
@@ -67,7 +65,22 @@ ReplicaListener = Callable[[ReplicaEvent], None]
 
 
 def specgate_method(vllm_config: dict[str, Any]) -> Method:
-    return _METHOD_NAMES.get(str(vllm_config.get("method")), "draft")
+    """vLLM's speculative method as Specgate names it (``engine.methods``); one Specgate
+    does not implement (EAGLE, MTP, ...) runs a model, so it counts as ``draft``."""
+    registered = methods.from_vllm_name(str(vllm_config.get("method")))
+    return registered.name if registered is not None else "draft"
+
+
+def served_artefacts(vllm_config: dict[str, Any] | None) -> tuple[dict[str, str | None], ...]:
+    """The artefact a speculative server loads (its ``model``), by the kind the method's
+    registration gives it; vLLM reports no version of it."""
+    model = vllm_config.get("model") if vllm_config else None
+    if not model:
+        return ()
+    assert vllm_config is not None
+    registered = methods.spec(specgate_method(vllm_config))
+    kind = registered.artefact.kind if registered.artefact is not None else "draft_model"
+    return ({"kind": kind, "name": str(model), "version": None},)
 
 
 class _StatusError(Exception):
@@ -209,25 +222,23 @@ class VllmBackend:
         speculative = next(
             (r.speculative_config for r in self._replicas.all if r.pool == "speculative"), None
         )
-        methods: list[Method] = []
+        served: list[Method] = []
         if self._replicas.has("plain"):
-            methods.append("none")
+            served.append("none")
         spec_method = specgate_method(speculative) if speculative else None
         if spec_method is not None:
-            methods.append(spec_method)
+            served.append(spec_method)
         k = speculative.get("num_speculative_tokens") if speculative else None
-        draft = speculative.get("model") if speculative else None
         return BackendCard(
             model_name=settings.served_model_name or self._vllm_name,
             target_version=_versions(settings),
-            draft_name=str(draft) if draft else None,
-            draft_version=None,
             max_context=max_context,
             vocab_size=_vocab_size(settings),
-            available_methods=tuple(methods),
+            available_methods=tuple(served),
             speculative_config=dict(speculative) if speculative else {},
             default_method=spec_method or "none",
             default_num_speculative_tokens=int(k) if isinstance(k, int) else None,
+            artefacts=served_artefacts(speculative),
         )
 
     def _run_loop(self) -> None:
@@ -359,7 +370,7 @@ class VllmBackend:
         body = {"model": self._vllm_name, "prompt": text, "add_special_tokens": True}
         return tuple(int(t) for t in self._post_sync("/tokenize", body)["tokens"])
 
-    def submit(self, request: GenerationRequest) -> HandedOffGeneration:
+    def submit(self, request: GenerationRequest) -> DeltaChannel:
         if self._closed:
             raise BackendUnavailableError("the vLLM backend is shut down")
         refuse_unsupported(request)
@@ -371,7 +382,7 @@ class VllmBackend:
             if future is not None:
                 future.cancel()
 
-        handle = HandedOffGeneration(cancel)
+        handle = DeltaChannel(on_cancel=cancel)
         holder["future"] = asyncio.run_coroutine_threadsafe(
             self._generate(handle, request, pool, fallback), self._loop
         )
@@ -401,7 +412,7 @@ class VllmBackend:
         return "speculative", False
 
     async def _generate(
-        self, handle: HandedOffGeneration, request: GenerationRequest, pool: Pool, fallback: bool
+        self, handle: DeltaChannel, request: GenerationRequest, pool: Pool, fallback: bool
     ) -> None:
         tried: list[Replica] = []
         while True:
@@ -439,7 +450,7 @@ class VllmBackend:
 
     async def _stream(
         self,
-        handle: HandedOffGeneration,
+        handle: DeltaChannel,
         request: GenerationRequest,
         replica: Replica,
         fallback: bool,

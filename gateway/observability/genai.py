@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from engine.types import GenerationStats, SamplingParams
+from engine.types import FigureValue, GenerationStats, SamplingParams
 
 PROVIDER_NAME = "specgate"
 
@@ -72,17 +72,11 @@ class CompletionSpan:
         self.span.end()
 
 
-def speculative_attributes(stats: GenerationStats) -> dict[str, str | int | float | bool]:
-    """The engine's per-request speculation figures as ``specgate.speculative.*`` attributes."""
+def speculative_attributes(stats: GenerationStats) -> dict[str, FigureValue]:
+    """The engine's per-request speculation figures as ``specgate.speculative.*`` attributes
+    (``engine.types.SPECULATION_FIGURES``), with the time to the first token."""
     return {
-        "specgate.speculative.method": stats.method,
-        "specgate.speculative.num_drafts": stats.num_drafts,
-        "specgate.speculative.num_draft_tokens": stats.num_draft_tokens,
-        "specgate.speculative.num_accepted_tokens": stats.num_accepted_tokens,
-        "specgate.speculative.acceptance_rate": stats.acceptance_rate,
-        "specgate.speculative.mean_acceptance_length": stats.mean_acceptance_length,
-        "specgate.speculative.num_target_passes": stats.num_target_passes,
-        "specgate.speculative.fallback_active": stats.fallback_active,
+        **stats.span_attributes(),
         "specgate.time_to_first_token_s": stats.time_to_first_token_s,
     }
 

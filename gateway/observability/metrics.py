@@ -20,7 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from engine.types import FallbackEvent, GenerationStats, Method
+from engine.types import SPECULATION_FIGURES, FallbackEvent, GenerationStats, Method
 
 REQUEST_DURATION_BUCKETS = (
     0.01,
@@ -99,37 +99,17 @@ class Metrics:
             registry=r,
         )
         spec_labels = ["method", "model"]
-        self.spec_drafts = Counter(
-            "specgate_spec_decode_num_drafts",
-            "Speculative steps (draft proposals verified).",
-            spec_labels,
-            registry=r,
-        )
-        self.spec_draft_tokens = Counter(
-            "specgate_spec_decode_num_draft_tokens",
-            "Draft tokens proposed.",
-            spec_labels,
-            registry=r,
-        )
-        self.spec_accepted_tokens = Counter(
-            "specgate_spec_decode_num_accepted_tokens",
-            "Draft tokens accepted by the target.",
-            spec_labels,
-            registry=r,
-        )
-        self.spec_accepted_per_pos = Counter(
-            "specgate_spec_decode_num_accepted_tokens_per_pos",
-            "Steps that accepted a token at this position of the accepted run (vLLM's "
-            "spec_decode_num_accepted_tokens_per_pos).",
-            [*spec_labels, "position"],
-            registry=r,
-        )
-        self.target_passes = Counter(
-            "specgate_spec_decode_target_passes",
-            "Forward passes of the target model.",
-            spec_labels,
-            registry=r,
-        )
+        # One counter per counted speculation figure (engine.types.SPECULATION_FIGURES).
+        self.speculation_counters: dict[str, Counter] = {
+            figure.name: Counter(
+                figure.metric,
+                figure.description,
+                [*spec_labels, "position"] if figure.kind == "per_position" else spec_labels,
+                registry=r,
+            )
+            for figure in SPECULATION_FIGURES
+            if figure.metric is not None
+        }
         self.speculation_disabled = Gauge(
             "specgate_speculation_disabled",
             "1 while a method is switched off by fallback.",
@@ -238,13 +218,17 @@ class Metrics:
         self.generation_tokens.labels(model).inc(stats.num_output_tokens)
         if stats.num_output_tokens:
             self.time_to_first_token.labels(model).observe(stats.time_to_first_token_s)
-        self.target_passes.labels(stats.method, model).inc(stats.num_target_passes)
-        if stats.num_drafts:
-            self.spec_drafts.labels(stats.method, model).inc(stats.num_drafts)
-            self.spec_draft_tokens.labels(stats.method, model).inc(stats.num_draft_tokens)
-            self.spec_accepted_tokens.labels(stats.method, model).inc(stats.num_accepted_tokens)
-            for position, count in enumerate(stats.num_accepted_tokens_per_pos):
-                self.spec_accepted_per_pos.labels(stats.method, model, str(position)).inc(count)
+        figures = stats.speculation()
+        for figure in SPECULATION_FIGURES:
+            counter = self.speculation_counters.get(figure.name)
+            if counter is None or not (figure.every_request or stats.num_drafts):
+                continue
+            value = figures[figure.name]
+            if isinstance(value, list):
+                for position, count in enumerate(value):
+                    counter.labels(stats.method, model, str(position)).inc(count)
+            elif isinstance(value, int | float):
+                counter.labels(stats.method, model).inc(value)
 
     def observe_fallback(self, event: FallbackEvent) -> None:
         self.fallback_switches.labels(event.method, event.model, event.action).inc()

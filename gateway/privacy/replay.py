@@ -15,6 +15,7 @@ decoding is the reference the gap is measured against, re-run when neither outpu
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ from gateway.audit.schema import audit_events
 from gateway.backends.base import BackendCard, GenerationBackend
 from gateway.privacy.commitments import ContentUnreadableError, text_bytes
 from gateway.privacy.store import PrivacyStore
-from gateway.recording import expand_runs
+from gateway.recording import expand_runs, recorded_artefacts
 
 
 class ReplayRefusedError(ValueError):
@@ -84,19 +85,24 @@ def find_recorded(audit: AuditLog, db: sa.Engine, event_id: str) -> Recorded:
 def configuration_differences(payload: dict[str, Any], card: BackendCard) -> list[str]:
     """What the loaded models and configuration have that the record does not."""
     differences = []
-    for field, now in (
-        ("model", card.model_name),
-        ("target_version", card.target_version),
-        ("draft_version", card.draft_version),
-    ):
+    for field, now in (("model", card.model_name), ("target_version", card.target_version)):
         if payload.get(field) != now:
             differences.append(f"{field}: recorded {payload.get(field)!r}, loaded {now!r}")
+    recorded_versions = _versions(recorded_artefacts(payload))
+    loaded_versions = _versions(card.artefacts)
+    if recorded_versions != loaded_versions:
+        differences.append(f"artefacts: recorded {recorded_versions}, loaded {loaded_versions}")
     recorded = payload.get("speculative", {}).get("config")
     if recorded != card.speculative_config:
         differences.append(
             f"speculative config: recorded {recorded!r}, loaded {card.speculative_config!r}"
         )
     return differences
+
+
+def _versions(artefacts: Sequence[Mapping[str, Any]]) -> list[tuple[Any, Any]]:
+    """(kind, version) of each artefact: what must match for a replay (names may differ)."""
+    return sorted(((a.get("kind"), a.get("version")) for a in artefacts), key=str)
 
 
 def _sampling(payload: dict[str, Any], index: int) -> SamplingParams:

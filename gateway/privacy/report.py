@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from gateway.audit.canonical import format_timestamp
 from gateway.audit.schema import api_keys, audit_events
 from gateway.audit.verify import VerifyReport
+from gateway.recording import recorded_artefacts
 
 _KINDS = (
     "request",
@@ -47,7 +48,7 @@ class ReportData:
     fallbacks: Counter[datetime] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
     requests_by_key: Counter[str] = field(default_factory=Counter)
-    # (model, target version, draft, draft version) -> [first seen, requests served]
+    # (model, target version, artefacts) -> [first seen, requests served]
     versions: dict[tuple[Any, ...], list[Any]] = field(default_factory=dict)
     fallback_events: list[dict[str, Any]] = field(default_factory=list)
     erasures: list[dict[str, Any]] = field(default_factory=list)
@@ -114,9 +115,11 @@ def _count(
     slot = _bucket_of(moment, data.since, data.bucket)
     when = format_timestamp(moment)
     if kind in ("request", "startup"):
-        version = tuple(
-            payload.get(name) for name in ("model", "target_version", "draft", "draft_version")
+        artefacts = ", ".join(
+            f"{a.get('kind')} {a.get('name')} {a.get('version')}"
+            for a in recorded_artefacts(payload)
         )
+        version = (payload.get("model"), payload.get("target_version"), artefacts)
         seen = data.versions.setdefault(version, [when, 0])
         seen[1] += kind == "request"
     if kind == "request":
@@ -283,7 +286,7 @@ def render_html(data: ReportData, generated_at: datetime | None = None) -> str:
         ),
         "<h2>Models and artefacts in service</h2>",
         _table(
-            ["model", "target version", "draft", "draft version", "first seen", "requests"],
+            ["model", "target version", "artefacts", "first seen", "requests"],
             [[*version, first, count] for version, (first, count) in data.versions.items()],
             "No model served or started in the period.",
         ),

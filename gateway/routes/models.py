@@ -9,7 +9,7 @@ from gateway.backends.base import BackendCard
 from gateway.dependencies import ServicesDep
 from gateway.generation import check_model
 from gateway.notes import serving_notes
-from gateway.schemas import ModelCard, ModelList
+from gateway.schemas import Artefact, ModelCard, ModelList
 
 router = APIRouter(prefix="/v1", tags=["models"])
 
@@ -19,8 +19,7 @@ def _card(card: BackendCard, created: int, notes: list[str]) -> ModelCard:
         id=card.model_name,
         created=created,
         target_version=card.target_version,
-        draft=card.draft_name,
-        draft_version=card.draft_version,
+        artefacts=[Artefact.model_validate(a) for a in card.artefacts],
         speculative_methods=list(card.available_methods),
         max_context=card.max_context,
         notes=notes,
