@@ -28,8 +28,11 @@ import httpx
 import structlog
 
 from engine.adaptive import FallbackMonitor, PassCosts
+from engine.grammar_text import checked_grammar
 from engine.types import (
     BackendUnavailableError,
+    CompiledConstraint,
+    Constraint,
     FallbackEvent,
     FinishReason,
     GenerationRequest,
@@ -358,6 +361,13 @@ class VllmBackend:
     def tokenize(self, text: str) -> tuple[int, ...]:
         body = {"model": self._vllm_name, "prompt": text, "add_special_tokens": True}
         return tuple(int(t) for t in self._post_sync("/tokenize", body)["tokens"])
+
+    def compile_constraint(self, constraint: Constraint) -> CompiledConstraint:
+        """The constraint's syntax checked with llguidance (vLLM compiles it against its own
+        tokenizer). A ``grammar`` is left to vLLM: its default engine reads another dialect."""
+        if constraint.kind == "grammar":
+            return CompiledConstraint(constraint, constraint.spec)
+        return CompiledConstraint(constraint, checked_grammar(constraint))
 
     def submit(self, request: GenerationRequest) -> HandedOffGeneration:
         if self._closed:
