@@ -5,14 +5,21 @@ The constrained requests ask for ``json_object`` output (grammar mask on every t
 and on the draft's rows before it draws); the unconstrained ones are the same prompts and
 budget. Runs alternate per prompt so that load on shared cores falls on both alike. The
 ratio is the figure to read: what the mask and matcher cost per token, speculation included.
+
+``specgate bench`` appends these lines to its report; ``python -m bench.constrained`` measures
+them alone (the json prompt set), with the load average before and after, for a machine
+where the whole benchmark would take too long.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.workload import BenchPrompt
 from engine.service import Engine
@@ -58,6 +65,7 @@ def _tokens_per_second(
 def measure(
     engine: Engine, prompts: Sequence[BenchPrompt], repeats: int, k: int
 ) -> list[ConstrainedLine]:
+    engine.compile_constraint(JSON_OBJECT)  # the token table is built once, not timed
     lines = []
     for method in engine.available_methods:
         fixed = None if method == "none" else k
@@ -73,3 +81,35 @@ def measure(
             ConstrainedLine(method, fixed, statistics.median(plain), statistics.median(masked))
         )
     return lines
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from bench.runner import BenchSetup, load_engine
+    from bench.workload import builtin_prompts
+    from engine.demo.paths import default_demo_dir
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, default=default_demo_dir() / "target")
+    parser.add_argument("--draft", type=Path, default=None)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--limit", type=int, default=4, help="json prompts to take")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--k", type=int, default=4)
+    args = parser.parse_args(argv)
+    setup = BenchSetup(args.target, args.draft, args.repeats, args.k)
+    engine = load_engine(setup)
+    try:
+        prompts = builtin_prompts(engine.tokenizer, args.max_tokens, args.limit)
+        json_prompts = [p for p in prompts if p.workload == "json"]
+        before = os.getloadavg()[0]
+        lines = measure(engine, json_prompts, args.repeats, args.k)
+        after = os.getloadavg()[0]
+    finally:
+        engine.close()
+    for line in lines:
+        print(line.text())
+    print(f"load average (1 min): {before:.2f} before, {after:.2f} after")
+
+
+if __name__ == "__main__":
+    main()
