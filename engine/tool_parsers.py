@@ -98,35 +98,42 @@ class _Sink:
         self.max_calls = max_calls
         self.calls = 0
         self._events: list[ToolEvent] = []
+        self._run: int | None = None  # the call whose arguments are being gathered; -1: content
+        self._pieces: list[str] = []
 
     def content(self, text: str) -> None:
-        if not text or self.calls:
-            return
-        last = self._events[-1] if self._events else None
-        if isinstance(last, ContentDelta):
-            self._events[-1] = ContentDelta(last.text + text)
-        else:
-            self._events.append(ContentDelta(text))
+        if text and not self.calls:
+            self._gather(-1, text)
 
     def start(self, name: str) -> None:
+        self._flush()
         self.calls += 1
         if self._kept(self.calls - 1):
             self._events.append(CallStarted(self.calls - 1, name))
 
     def arguments(self, text: str) -> None:
-        index = self.calls - 1
-        if not text or not self._kept(index):
-            return
-        last = self._events[-1] if self._events else None
-        if isinstance(last, ArgumentsDelta) and last.index == index:
-            self._events[-1] = ArgumentsDelta(index, last.text + text)
-        else:
-            self._events.append(ArgumentsDelta(index, text))
+        if text and self._kept(self.calls - 1):
+            self._gather(self.calls - 1, text)
 
     def _kept(self, index: int) -> bool:
         return self.max_calls is None or index < self.max_calls
 
+    def _gather(self, run: int, text: str) -> None:
+        if self._run != run:
+            self._flush()
+            self._run = run
+        self._pieces.append(text)
+
+    def _flush(self) -> None:
+        if self._run is not None and self._pieces:
+            text = "".join(self._pieces)
+            self._events.append(
+                ContentDelta(text) if self._run < 0 else ArgumentsDelta(self._run, text)
+            )
+        self._run, self._pieces = None, []
+
     def take(self) -> list[ToolEvent]:
+        self._flush()
         events, self._events = self._events, []
         return events
 
