@@ -33,6 +33,7 @@ model's own text (no re-serialising) and a reader costs O(length) over a whole o
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -143,6 +144,7 @@ class _Sink:
 _WS = " \t\n\r"
 _DIGITS = "0123456789"
 _HEX = "0123456789abcdefABCDEF"
+_PLAIN = re.compile(r'[^"\\\x00-\x1f]+')
 
 Step = Literal["more", "done", "before", "bad"]
 # "more": taken, the value goes on; "done": taken, the value is complete; "before": the value
@@ -287,6 +289,16 @@ class _JsonValue:
         self._state = "done"
         return "done"
 
+    def run(self, text: str, start: int) -> int:
+        """How many characters from ``text[start:]`` are taken at once as the plain inside of
+        a string (none of ``"``, ``\\`` or a control character); 0 outside strings."""
+        if self._state not in ("string", "key"):
+            return 0
+        found = _PLAIN.match(text, start)
+        if found is None:
+            return 0
+        return found.end() - start
+
     def complete_at_end(self) -> bool:
         """Whether the text so far is a whole value when nothing follows (a bare number)."""
         return self._state == "done" or (not self._stack and self._state in _NUMBER_ENDS)
@@ -374,6 +386,20 @@ class _CallObject:
             return self._close()
         return "bad"
 
+    def run(self, text: str, start: int) -> int:
+        """Take the plain characters of a string from ``text[start:]`` at once (the bulk of
+        most arguments); how many were taken (0: read the next one with ``push``)."""
+        if self._state not in ("key", "value"):
+            return 0
+        taken = self._value.run(text, start)
+        if taken:
+            piece = text[start : start + taken]
+            if self._role == "arguments" and self._state == "value":
+                self._arguments(piece)
+            elif self._role != "skip" or self._state == "key":
+                self._raw += piece
+        return taken
+
     def _value_char(self, c: str) -> Literal["more", "done", "bad"]:
         step = self._value.push(c)
         if step == "bad":
@@ -432,6 +458,28 @@ class _Calls:
     @property
     def committed(self) -> bool:
         return self._committed or (self._object is not None and self._object.committed)
+
+    def read(self, text: str) -> tuple[Literal["more", "done", "bad"], int, str]:
+        """Take ``text`` as far as the calls go: ``more`` (all of it taken), ``done`` (the
+        calls ended; the position after their end) or ``bad`` (the position of the character
+        refused); and the part taken before a call was committed (content if none is)."""
+        tentative: list[str] = []
+        position = 0
+        while position < len(text):
+            inside = self._object if self._state == "object" else None
+            run = 0 if inside is None else inside.run(text, position)
+            if run:
+                if not self.committed:
+                    tentative.append(text[position : position + run])
+                position += run
+                continue
+            step = self.push(text[position])
+            if step != "more":
+                return step, position + (1 if step == "done" else 0), "".join(tentative)
+            if not self.committed:
+                tentative.append(text[position])
+            position += 1
+        return "more", position, "".join(tentative)
 
     def push(self, c: str) -> Literal["more", "done", "bad"]:
         state = self._state
@@ -541,22 +589,15 @@ class MarkedReader(ToolCallReader):
                 self._text = self._text[found + len(self._marker) :]
                 self._calls = _Calls(sink, self._keys, self._allow_list)
                 continue
-            calls = self._calls
-            for position, c in enumerate(self._text):
-                step = calls.push(c)
-                if step == "more":
-                    if not calls.committed:
-                        self._tentative += c
-                    continue
-                sink.content(self._tentative)  # dropped when the block was a call
-                self._tentative, self._calls = "", None
-                self._text = self._text[position + (1 if step == "done" else 0) :]
-                break
-            else:
+            step, end, taken = self._calls.read(self._text)
+            self._tentative += taken
+            if step == "more" and not final:
                 self._text = ""
-                if final:
-                    sink.content(self._tentative)
-                    self._tentative, self._calls = "", None
+                return
+            sink.content(self._tentative)  # dropped when the block was a call
+            self._tentative, self._calls = "", None
+            self._text = self._text[end:]
+            if step == "more":
                 return
 
 
@@ -594,20 +635,15 @@ class BareReader(ToolCallReader):
                 self._state = "content"
                 text, self._text = self._text, ""
         if self._state == "calls":
-            for position, c in enumerate(text):
-                step = self._calls.push(c)
-                if step == "more":
-                    if not self._calls.committed:
-                        self._text += c
-                    continue
-                sink.content(self._text)  # dropped when there was a call
-                self._state = "content"
-                text = text[position + (1 if step == "done" else 0) :]
-                break
-            else:
+            step, end, taken = self._calls.read(text)
+            self._text += taken
+            if step == "more":
                 if final:
                     sink.content(self._text)
                 return
+            sink.content(self._text)  # dropped when there was a call
+            self._state = "content"
+            text = text[end:]
         sink.content(text)  # dropped after a call
 
 
