@@ -8,16 +8,13 @@ through each row's path beyond it and rolls back to where the next row's path pa
 current one (llguidance's ``rollback``). A row whose path the grammar refuses can never be
 reached (verification rejects the refused token before it), so its logits are left as
 they are; refused tokens are found with ``validate_tokens`` first, since consuming one would
-put the matcher in its error state for good.
-
-JSON is constrained to the usual separators (``", "``, ``": "``) with no free whitespace:
-a weak model given free whitespace can spend its whole budget on newlines.
+put the matcher in its error state for good. The grammar text itself comes from
+``engine.grammar_text``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -28,30 +25,8 @@ import llguidance.torch
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from engine.grammar_text import checked_grammar
 from engine.types import Constraint, InvalidRequestError
-
-# llguidance's JSON options (its "x-guidance" schema key).
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def grammar_text(constraint: Constraint) -> str:
-    """llguidance's grammar for ``constraint``."""
-    if constraint.kind in ("json_schema", "json_object"):
-        schema = json.loads(constraint.spec) if constraint.kind == "json_schema" else {}
-        if not isinstance(schema, dict):
-            raise InvalidRequestError("A JSON schema must be a JSON object.", "response_format")
-        if constraint.kind == "json_object":
-            schema = {"type": "object"}
-        return str(
-            llguidance.grammar_from(
-                "json_schema", json.dumps({**schema, "x-guidance": JSON_LAYOUT})
-            )
-        )
-    if constraint.kind == "choice":
-        return str(llguidance.grammar_from("choice", constraint.spec))
-    if constraint.kind == "regex":
-        return str(llguidance.grammar_from("regex", constraint.spec))
-    return str(llguidance.grammar_from("grammar", constraint.spec))
 
 
 class Grammars:
@@ -86,13 +61,6 @@ class Grammars:
 
     def compile(self, constraint: Constraint) -> str:
         """The checked grammar of ``constraint`` (InvalidRequestError when it has none)."""
-        what = constraint.kind.replace("_", " ")
-        try:
-            text = grammar_text(constraint)
-        except (ValueError, TypeError) as error:
-            raise InvalidRequestError(
-                f"The {what} constraint is invalid: {error}", "response_format"
-            ) from error
         try:
             table = self._token_table()
         except Exception as error:  # a tokenizer llguidance cannot read: this model cannot
@@ -100,12 +68,7 @@ class Grammars:
                 f"This model's tokenizer does not support constrained decoding ({error}).",
                 "response_format",
             ) from error
-        problem = llguidance.LLMatcher.validate_grammar(text, table)
-        if problem:
-            raise InvalidRequestError(
-                f"The {what} constraint is invalid: {problem.splitlines()[0]}", "response_format"
-            )
-        return text
+        return checked_grammar(constraint, table)
 
     def matcher(self, grammar: str) -> GrammarMatcher:
         return GrammarMatcher(

@@ -52,6 +52,8 @@ from engine.scheduler import (
 )
 from engine.types import (
     MAX_TOP_LOGPROBS,
+    CompiledConstraint,
+    Constraint,
     EngineClosedError,
     FallbackEvent,
     GenerationRequest,
@@ -254,7 +256,13 @@ class Engine:
             raise EngineClosedError("engine is shut down")
         self._validate(request)
         constraint = request.sampling.constraint
-        grammar = self.grammars.compile(constraint) if constraint is not None else None
+        compiled = request.compiled
+        if constraint is None:
+            grammar = None
+        elif compiled is not None and compiled.constraint == constraint:
+            grammar = compiled.grammar
+        else:
+            grammar = self.grammars.compile(constraint)
         handle = RequestHandle(request, time.perf_counter(), grammar)
         try:
             self._queue.put_nowait(handle)
@@ -263,6 +271,11 @@ class Engine:
                 f"request queue is full ({self.config.max_queue} waiting); retry later"
             ) from None
         return handle
+
+    def compile_constraint(self, constraint: Constraint) -> CompiledConstraint:
+        """``constraint``'s grammar for this tokenizer; InvalidRequestError when it has none
+        (CPU work, and the first call may wait for the token table: not on an event loop)."""
+        return CompiledConstraint(constraint, self.grammars.compile(constraint))
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
         return self.submit(request).result()

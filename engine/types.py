@@ -31,6 +31,16 @@ class Constraint:
     spec: str
 
 
+@dataclass(frozen=True)
+class CompiledConstraint:
+    """A constraint checked against the served tokenizer before the request is audited
+    (``Engine.compile_constraint``): ``grammar`` is what the engine's matcher runs, so the
+    engine need not compile it again at submit."""
+
+    constraint: Constraint
+    grammar: str
+
+
 # Where a request's acceptance figures come from: the engine that ran it, the remote
 # server's own per-request figures, or the server's counters over an interval
 # (gateway.backends.vllm_acceptance).
@@ -113,6 +123,9 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculative: SpeculativeChoice = field(default_factory=SpeculativeChoice)
     request_id: str | None = None
+    # ``sampling.constraint`` compiled already; the engine compiles it itself when this is
+    # absent or was compiled from another constraint.
+    compiled: CompiledConstraint | None = None
 
 
 @dataclass(frozen=True)

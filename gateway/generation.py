@@ -21,13 +21,25 @@ import anyio
 import structlog
 from pydantic import BaseModel
 
-from engine.tool_parsers import PARSERS, ParsedCall, ParsedOutput
+from engine.tool_parsers import (
+    READERS,
+    ArgumentsDelta,
+    ArgumentsReader,
+    BareReader,
+    CallStarted,
+    ParsedOutput,
+    ToolCallReader,
+    ToolEvent,
+    read_all,
+)
 from engine.types import (
+    CompiledConstraint,
     Constraint,
     EngineError,
     GenerationRequest,
     GenerationResult,
     GenerationStats,
+    InvalidRequestError,
     SamplingParams,
     SpeculativeChoice,
     TokenLogprob,
@@ -108,19 +120,18 @@ class ToolPlan:
     named: str | None = None
     parallel: bool = True
 
-    def parse(self, text: str) -> ParsedOutput:
+    def reader(self) -> ToolCallReader:
+        """A fresh reader of one choice's output (streamed, or whole in ``parse``)."""
         if self.mode == "named":
             assert self.named is not None
-            return ParsedOutput(None, (ParsedCall(self.named, text),))
+            return ArgumentsReader(self.named)
+        max_calls = None if self.parallel else 1
         if self.mode == "required":
-            try:
-                calls = json.loads(text)
-                listed = tuple(ParsedCall(c["name"], json.dumps(c["parameters"])) for c in calls)
-            except (json.JSONDecodeError, TypeError, KeyError):
-                return ParsedOutput(text, ())  # cut short by max_tokens: not a whole call
-            return ParsedOutput(None, listed if self.parallel else listed[:1])
-        parsed = PARSERS[self.parser](text)
-        return parsed if self.parallel else ParsedOutput(parsed.content, parsed.calls[:1])
+            return BareReader(("parameters",), max_calls=max_calls)
+        return READERS[self.parser](max_calls)
+
+    def parse(self, text: str) -> ParsedOutput:
+        return read_all(self.reader(), text)
 
 
 @dataclass
@@ -138,6 +149,7 @@ class Job:
     store_content: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolPlan | None = None
+    compiled: CompiledConstraint | None = None  # the sampling's constraint, compiled
 
     @property
     def route(self) -> str:
@@ -292,8 +304,9 @@ def _parameters(body: ChatCompletionRequest, name: str) -> dict[str, Any]:
 
 def constraint(
     body: ChatCompletionRequest | CompletionRequest, tools: ToolPlan | None
-) -> Constraint | None:
-    """The one output constraint a request asks for (400 when it asks for two)."""
+) -> tuple[str, Constraint] | None:
+    """The one output constraint a request asks for and the parameter that asks for it (400
+    when it asks for two)."""
     found: list[tuple[str, Constraint]] = []
     if isinstance(body, ChatCompletionRequest):
         fmt = body.response_format
@@ -332,7 +345,21 @@ def constraint(
             f"({', '.join(name for name, _ in found)}).",
             param=found[1][0],
         )
-    return found[0][1] if found else None
+    return found[0] if found else None
+
+
+def compiled_constraint(
+    asked: tuple[str, Constraint] | None, backend: GenerationBackend
+) -> CompiledConstraint | None:
+    """The constraint compiled by the backend now, before anything is audited: one that does
+    not compile is a 400 naming the parameter that asked for it, with no record left."""
+    if asked is None:
+        return None
+    param, wanted = asked
+    try:
+        return backend.compile_constraint(wanted)
+    except InvalidRequestError as error:
+        raise APIError(400, str(error), param=param) from error
 
 
 def _json_constraint(schema: dict[str, Any] | str) -> Constraint:
@@ -471,6 +498,7 @@ def build_job(
     tools = tool_plan(body, card) if isinstance(body, ChatCompletionRequest) else None
     if body.min_tokens is not None and body.min_tokens > max_tokens:
         raise APIError(400, "min_tokens must not exceed max_tokens.", param="min_tokens")
+    compiled = compiled_constraint(constraint(body, tools), backend)
     sampling = [
         SamplingParams(
             max_tokens=max_tokens,
@@ -485,7 +513,7 @@ def build_job(
             repetition_penalty=body.repetition_penalty or 1.0,
             logit_bias=_logit_bias(body, card),
             min_tokens=body.min_tokens or 0,
-            constraint=constraint(body, tools),
+            constraint=None if compiled is None else compiled.constraint,
             logprobs=_logprobs(body),
         )
         for index in range(body.n)
@@ -501,6 +529,7 @@ def build_job(
         user=body.user,
         store_content=store_content if body.store_content is None else body.store_content,
         tools=tools,
+        compiled=compiled,
     )
 
 
@@ -521,17 +550,24 @@ def chat_message(job: Job, text: str, finish_reason: str) -> tuple[ResponseMessa
     reason is ``tool_calls``)."""
     if job.tools is None:
         return ResponseMessage(content=text), finish_reason
-    parsed = job.tools.parse(text) if finish_reason == "stop" else ParsedOutput(text, ())
+    parsed = job.tools.parse(text)
     if not parsed.calls:
         return ResponseMessage(content=parsed.content or ""), finish_reason
     calls = [
-        ToolCall(
-            id=f"call_{uuid.uuid4().hex[:24]}",
-            function=FunctionCall(name=call.name, arguments=call.arguments),
-        )
+        ToolCall(id=tool_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
         for call in parsed.calls
     ]
-    return ResponseMessage(content=parsed.content, tool_calls=calls), "tool_calls"
+    return ResponseMessage(content=parsed.content, tool_calls=calls), tool_finish(finish_reason)
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_finish(finish_reason: str) -> str:
+    """A choice that made calls finishes with ``tool_calls``, unless it was cut short (then the
+    last call's arguments are as far as they got, as OpenAI's are)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def _top(entry: TokenLogprob) -> list[TopLogprob]:
@@ -697,6 +733,7 @@ class AuditedGeneration:
                     sampling=sampling,
                     speculative=job.speculative,
                     request_id=f"{job.request_id}-{index}",
+                    compiled=job.compiled,
                 )
                 handles.append(self.backend.submit(request))
         except EngineError as error:
@@ -755,6 +792,7 @@ class AuditedGeneration:
         try:
             for index, handle in enumerate(handles):
                 state = self.choices[index]
+                reader = None if self.job.tools is None else self.job.tools.reader()
                 if self.job.kind == "chat":
                     yield _sse(
                         chunks.choice(index, {"delta": {"role": "assistant", "content": ""}}, None)
@@ -766,11 +804,11 @@ class AuditedGeneration:
                     state.token_ids.extend(delta.token_ids)
                     if delta.finish_reason is not None:
                         state.finish_reason, state.stats = delta.finish_reason, delta.stats
-                    if self.job.tools is not None:
-                        # Calls are parsed from the whole text: it streams at the end.
-                        if delta.finish_reason is not None:
-                            for chunk in chunks.tool_output(index, state.text, delta.finish_reason):
-                                yield _sse(chunk)
+                    if reader is not None:
+                        for chunk in chunks.tool_deltas(
+                            index, reader, delta.text, delta.finish_reason
+                        ):
+                            yield _sse(chunk)
                         continue
                     if delta.text or delta.finish_reason is not None or delta.logprobs:
                         yield _sse(
@@ -936,21 +974,36 @@ class StreamChunks:
             chunk["choices"][0]["logprobs"] = _dump(completion_logprobs(logprobs, offset))
         return chunk
 
-    def tool_output(self, index: int, text: str, finish_reason: str) -> list[dict[str, Any]]:
-        """The chunks of a finished tool-enabled choice: content, or one ``tool_calls``
-        delta per call (index, id, type, name, the whole arguments), then the finish."""
-        message, finish = chat_message(self.job, text, finish_reason)
-        chunks = []
-        if message.content:
-            chunks.append(self.choice(index, {"delta": {"content": message.content}}, None))
-        for position, call in enumerate(message.tool_calls or []):
-            delta = {"tool_calls": [{"index": position, **call.model_dump()}]}
-            chunks.append(self.choice(index, {"delta": delta}, None))
-        chunks.append(self.choice(index, {"delta": {}}, finish))
+    def tool_deltas(
+        self, index: int, reader: ToolCallReader, text: str, finish_reason: str | None
+    ) -> list[dict[str, Any]]:
+        """The chunks for a tool-enabled choice's next text: content that cannot be part of a
+        call, a call's first delta (index, id, type, name, no arguments yet), its arguments'
+        fragments as they are read; then the finish."""
+        events = reader.feed(text)
+        if finish_reason is not None:
+            events += reader.finish()
+        chunks = [self.choice(index, {"delta": _tool_delta(event)}, None) for event in events]
+        if finish_reason is not None:
+            finish = tool_finish(finish_reason) if reader.calls else finish_reason
+            chunks.append(self.choice(index, {"delta": {}}, finish))
         return chunks
 
     def usage(self, usage: dict[str, int], speculative: SpeculativeUsage) -> dict[str, Any]:
         return {**self.base, "choices": [], "usage": usage, "speculative": speculative.model_dump()}
+
+
+def _tool_delta(event: ToolEvent) -> dict[str, Any]:
+    if isinstance(event, CallStarted):
+        call = {"id": tool_call_id(), "type": "function"}
+        return {
+            "tool_calls": [
+                {"index": event.index, **call, "function": {"name": event.name, "arguments": ""}}
+            ]
+        }
+    if isinstance(event, ArgumentsDelta):
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+    return {"content": event.text}
 
 
 def _dump(value: BaseModel | None) -> Any:

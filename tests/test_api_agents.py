@@ -1,10 +1,13 @@
 """What agent frameworks send, through real clients against a live gateway: the official
 ``openai`` client (structured ``parse``, streamed tool calls, logprobs), LangChain's
-``ChatOpenAI`` (``bind_tools`` tool loop, ``with_structured_output``) and LiteLLM.
+``ChatOpenAI`` (``bind_tools`` tool loop, ``with_structured_output``) and LiteLLM; a constraint
+that does not compile (refused before anything is audited); a chat template that renders the
+tools itself.
 
 The tiny random models write nonsense, so every request that must yield valid output
-constrains it (a named or required tool choice, a JSON schema with bounded strings); what is
-tested is that the output validates and the protocol round-trips.
+constrains it (a named or required tool choice, a JSON schema with bounded strings, a regex
+that spells out Hermes calls for ``auto``); what is tested is that the output validates and
+the protocol round-trips.
 """
 
 from __future__ import annotations
@@ -13,10 +16,15 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
+import sqlalchemy as sa
 from pydantic import BaseModel, Field
 
+from engine.chat import HERMES_TOOL_PROMPT
+from gateway.audit.schema import audit_events
+from gateway.backends import local as local_backend
 from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
 from tests.test_api_gateway import events
 from tests.tiny_models import build_model, build_noisy_copy, build_tokenizer
@@ -237,3 +245,223 @@ def test_streamed_and_completion_logprobs_cover_every_token(client: openai.OpenA
     assert len(logprobs.tokens) == legacy.usage.completion_tokens  # type: ignore[union-attr]
     assert logprobs.text_offset == sorted(logprobs.text_offset or [])
     assert all(len(top) <= 3 for top in logprobs.top_logprobs or [])
+
+
+# ``auto`` tool choice with the model's own Hermes text: a regex spells out some content and
+# two calls (the tiny model could not write them otherwise), which the Hermes reader reads.
+_CALL_TEXT = (
+    r'<tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "[a-z]{6,8}", "days": [1-7]\}\}\n</tool_call>'
+)
+TWO_CALLS = rf"I will check\. {_CALL_TEXT}\n{_CALL_TEXT}"
+
+
+def _auto_request(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Weather in Bern and Basel?"}],
+        "tools": [WEATHER],
+        "max_tokens": 300,
+        "temperature": 0,
+        "extra_body": {"structured_outputs": {"regex": TWO_CALLS}},
+        **extra,
+    }
+
+
+def test_streamed_calls_come_as_argument_fragments_with_distinct_indexes(
+    client: openai.OpenAI,
+) -> None:
+    order: list[str] = []
+    starts: dict[int, Any] = {}
+    fragments: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **_auto_request()):
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.content:
+                order.append("content")
+            for call in delta.tool_calls or []:
+                order.append("call")
+                if call.index not in starts:
+                    starts[call.index] = call  # the first delta of a call names it
+                    assert call.function is not None and call.function.arguments == ""
+                else:
+                    assert call.id is None and call.function is not None
+                    assert call.function.name is None
+                    fragments.setdefault(call.index, []).append(call.function.arguments or "")
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert sorted(starts) == [0, 1] and order[0] == "content"
+    assert len({start.id for start in starts.values()}) == 2
+    for index, start in starts.items():
+        assert start.type == "function" and start.function.name == "get_weather"
+        assert len(fragments[index]) > 1  # the arguments arrive as they are generated
+        _arguments_valid("".join(fragments[index]))
+
+
+def test_streamed_auto_calls_reassemble_to_the_non_streamed_answer(
+    client: openai.OpenAI,
+) -> None:
+    whole = client.chat.completions.create(**_auto_request()).choices[0]
+    with client.chat.completions.stream(**_auto_request()) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert whole.finish_reason == streamed.finish_reason == "tool_calls"
+    assert whole.message.content == "I will check."
+    assert (streamed.message.content or None) == whole.message.content
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    again = [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []]
+    assert len(calls) == 2 and again == calls
+    for _, arguments in calls:
+        _arguments_valid(arguments)
+
+
+def test_one_call_only_when_parallel_calls_are_off(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(**_auto_request(parallel_tool_calls=False))
+    assert len(reply.choices[0].message.tool_calls or []) == 1
+
+
+def _event_count(gateway: LiveGateway) -> int:
+    with gateway.services.db.connect() as connection:
+        return int(
+            connection.execute(sa.select(sa.func.count()).select_from(audit_events)).scalar_one()
+        )
+
+
+BAD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "broken",
+        "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": {"type": "nonsense"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+        ({"guided_regex": "(", "stream": True}, "guided_regex"),
+        (
+            {
+                "tools": [BAD_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "broken"}},
+            },
+            "tool_choice",
+        ),
+    ],
+)
+def test_a_constraint_that_does_not_compile_is_refused_before_anything_is_audited(
+    gateway: LiveGateway, extra: dict[str, Any], param: str
+) -> None:
+    before = _event_count(gateway)
+    reply = httpx.post(
+        gateway.base_url + "/v1/chat/completions",
+        headers={"authorization": f"Bearer {gateway.keys['app']}"},
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 4,
+            **extra,
+        },
+        timeout=60,
+    )
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and "invalid" in error["message"]
+    assert _event_count(gateway) == before  # no `request`, no `completion`
+
+
+# A Hermes/Qwen-style template that renders the tools, the calls and their results itself.
+TOOLS_TEMPLATE = """
+{%- if tools %}<|system|>
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+
+{% endif %}# Tools
+Call a function as <tool_call>{"name": ..., "arguments": ...}</tool_call>. You have:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|end|>
+{% elif messages[0]['role'] == 'system' %}<|system|>
+{{ messages[0]['content'] }}<|end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'tool' %}<|user|>
+<tool_response>
+{{ message['content'] }}
+</tool_response><|end|>
+{% elif message['role'] == 'assistant' %}<|assistant|>
+{% if message['content'] %}{{ message['content'] }}{% endif %}
+{%- for call in message.get('tool_calls') or [] %}
+<tool_call>
+{%- set function = call['function'] %}
+{"name": {{ function['name'] | tojson }}, "arguments": {{ function['arguments'] | tojson }}}
+</tool_call>
+{%- endfor %}<|end|>
+{% elif message['role'] != 'system' %}<|{{ message['role'] }}|>
+{{ message['content'] }}<|end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def tools_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
+    root = tmp_path_factory.mktemp("tools-template")
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    target = build_model(root / "target", tokenizer, seed=0, max_positions=2048)
+    draft = build_noisy_copy(target, root / "close", noise=0.3)
+    with fresh_database() as (name, url):
+        settings = gateway_settings((target, draft), root / "data", url, acceptance_threshold=0.0)
+        with live_gateway(settings, name) as live:
+            yield live
+
+
+def test_a_template_that_knows_tools_renders_them_itself_through_the_tool_loop(
+    tools_gateway: LiveGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rendered: list[str] = []
+    original = local_backend.render_chat
+
+    def spy(*args: Any) -> str:
+        text = original(*args)
+        rendered.append(text)
+        return text
+
+    monkeypatch.setattr(local_backend, "render_chat", spy)
+    client = openai.OpenAI(
+        base_url=tools_gateway.base_url + "/v1", api_key=tools_gateway.keys["app"]
+    )
+    messages: list[Any] = [{"role": "user", "content": "Weather in Bern?"}]
+    first = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice=NAMED, max_tokens=80
+    )
+    call = (first.choices[0].message.tool_calls or [])[0]
+    _arguments_valid(call.function.arguments)
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 12}'},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(answer.choices[0].message.content, str)
+
+    assert len(rendered) == 2
+    tools_listed = json.dumps(WEATHER, ensure_ascii=False)
+    for prompt in rendered:  # the template's own rendering, not the Hermes rewrite
+        assert "# Tools" in prompt and tools_listed in prompt
+        assert HERMES_TOOL_PROMPT.split(".")[0] not in prompt
+    arguments = json.dumps(json.loads(call.function.arguments), ensure_ascii=False)
+    assert f'{{"name": "get_weather", "arguments": {arguments}}}' in rendered[1]
+    assert '<tool_response>\n{"temp_c": 12}\n</tool_response>' in rendered[1]

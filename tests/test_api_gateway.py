@@ -407,8 +407,8 @@ BAD_CHAT: list[tuple[dict[str, Any], str, str | None]] = [
     ({"logit_bias": {"99999999": 1}}, "logit_bias", None),
     ({"min_tokens": -1}, "min_tokens", None),
     ({"response_format": {"type": "xml"}}, "response_format", None),
-    ({"guided_regex": "(("}, "response_format", None),
-    ({"guided_json": {"type": "no-such-type"}}, "response_format", None),
+    ({"guided_regex": "(("}, "guided_regex", None),
+    ({"guided_json": {"type": "no-such-type"}}, "guided_json", None),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", None),
     ({"speculative": {"method": "lookahead"}}, "speculative.method", None),
     (

@@ -17,10 +17,12 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.grammar_text import checked_grammar
 from engine.logits_processors import LogitsProcessing
 from engine.sampling import probabilities
 from engine.service import Engine
 from engine.types import (
+    CompiledConstraint,
     Constraint,
     GenerationRequest,
     InvalidRequestError,
@@ -131,6 +133,26 @@ def test_a_schema_that_cannot_compile_is_the_clients_error(engine: Engine) -> No
     params = SamplingParams(constraint=Constraint("json_schema", '{"type": "no-such-type"}'))
     with pytest.raises(InvalidRequestError):
         engine.submit(GenerationRequest((5, 6, 7), params))
+
+
+def test_the_engine_runs_the_grammar_compiled_before_submit(engine: Engine) -> None:
+    """What request preparation compiled (``Engine.compile_constraint``) is what runs, so a
+    constraint is compiled, and refused, once; one compiled from another constraint is not."""
+    asked = Constraint("choice", json.dumps(["yes"]))
+    other = engine.compile_constraint(Constraint("choice", json.dumps(["no"])))
+    handed = CompiledConstraint(asked, other.grammar)
+    params = SamplingParams(max_tokens=10, temperature=0.0, constraint=asked)
+    prompt = tuple(engine.tokenizer.encode("The quick"))
+    assert engine.generate(GenerationRequest(prompt, params, compiled=handed)).text == "no"
+    assert engine.generate(GenerationRequest(prompt, params, compiled=other)).text == "yes"
+    assert engine.generate(GenerationRequest(prompt, params)).text == "yes"
+
+
+def test_a_constraint_is_checked_without_a_token_table_for_a_remote_backend() -> None:
+    assert checked_grammar(Constraint("regex", "[a-z]+"))
+    for bad in (Constraint("regex", "("), Constraint("json_schema", '{"type": "nonsense"}')):
+        with pytest.raises(InvalidRequestError):
+            checked_grammar(bad)
 
 
 def test_min_tokens_holds_off_the_end_of_sequence(engine: Engine) -> None:

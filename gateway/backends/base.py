@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from engine.types import (
+    CompiledConstraint,
+    Constraint,
     GenerationRequest,
     GenerationResult,
     Method,
@@ -90,6 +92,12 @@ class GenerationBackend(Protocol):
 
     def tokenize(self, text: str) -> tuple[int, ...]:
         """Token ids of a plain completion prompt."""
+        ...
+
+    def compile_constraint(self, constraint: Constraint) -> CompiledConstraint:
+        """Check an output constraint before the request is audited, so that one the backend
+        cannot serve is the client's 400 and leaves no record; raises
+        ``engine.types.InvalidRequestError``. CPU work: off the event loop."""
         ...
 
     def submit(self, request: GenerationRequest) -> Generation: ...

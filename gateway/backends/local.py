@@ -14,7 +14,13 @@ from engine.config import EngineConfig
 from engine.divergence import first_divergence
 from engine.service import Engine, RequestHandle
 from engine.tool_parsers import parser_for_template
-from engine.types import FallbackEvent, GenerationRequest, Method
+from engine.types import (
+    CompiledConstraint,
+    Constraint,
+    FallbackEvent,
+    GenerationRequest,
+    Method,
+)
 from gateway.backends.base import BackendCard, BackendHealth
 
 
@@ -60,6 +66,9 @@ class LocalBackend:
 
     def tokenize(self, text: str) -> tuple[int, ...]:
         return tuple(self.engine.tokenizer.encode(text))
+
+    def compile_constraint(self, constraint: Constraint) -> CompiledConstraint:
+        return self.engine.compile_constraint(constraint)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         return self.engine.submit(request)

@@ -30,8 +30,11 @@ import structlog
 from engine import methods
 from engine.adaptive import FallbackMonitor, PassCosts
 from engine.delta_channel import DeltaChannel
+from engine.grammar_text import checked_grammar
 from engine.types import (
     BackendUnavailableError,
+    CompiledConstraint,
+    Constraint,
     FallbackEvent,
     FinishReason,
     GenerationRequest,
@@ -369,6 +372,13 @@ class VllmBackend:
     def tokenize(self, text: str) -> tuple[int, ...]:
         body = {"model": self._vllm_name, "prompt": text, "add_special_tokens": True}
         return tuple(int(t) for t in self._post_sync("/tokenize", body)["tokens"])
+
+    def compile_constraint(self, constraint: Constraint) -> CompiledConstraint:
+        """The constraint's syntax checked with llguidance (vLLM compiles it against its own
+        tokenizer). A ``grammar`` is left to vLLM: its default engine reads another dialect."""
+        if constraint.kind == "grammar":
+            return CompiledConstraint(constraint, constraint.spec)
+        return CompiledConstraint(constraint, checked_grammar(constraint))
 
     def submit(self, request: GenerationRequest) -> DeltaChannel:
         if self._closed:
