@@ -241,7 +241,7 @@ def test_replay_on_a_second_model_names_the_version_and_claims_no_match(
     recorded = _chat(gateway, "none")
     loaded, card = gateway.services.backend.card, second_backend.card
     assert card.model_name == loaded.model_name and card.target_version != loaded.target_version
-    assert card.draft_version == loaded.draft_version
+    assert card.artefacts == loaded.artefacts
     report = asyncio.run(replay(second_backend, gateway.services.privacy, recorded))
     assert report["replayed"] is False and report["match"] is False
     assert report["differences"] == [
