@@ -32,6 +32,7 @@ from gateway.body_limit import BodySizeLimitMiddleware
 from gateway.db import DatabaseTimeouts, make_db_engine, normalise_url, upgrade_database
 from gateway.dependencies import Services
 from gateway.errors import install_error_handlers
+from gateway.interpreter import tuned_for_serving
 from gateway.key_cache import KeyCache
 from gateway.keys import KeyStore, KeyStoreError
 from gateway.leases import Leases
@@ -295,7 +296,8 @@ def create_app(
                 hint="create one with: specgate keys create --role app --name NAME",
             )
         try:
-            yield
+            with tuned_for_serving(settings.gil_switch_interval_s):
+                yield
         finally:
             checkpoints.cancel()
             retention.cancel()

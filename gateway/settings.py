@@ -285,6 +285,12 @@ class Settings(BaseSettings):
         "again; a key revoked on another replica or with the CLI stops working within it "
         "(at once when revoked through this gateway's admin API). 0: ask every time.",
     )
+    gil_switch_interval_s: float = Field(
+        default=0.0005,
+        gt=0,
+        description="Python's GIL switch interval while serving: how long the event loop may "
+        "wait for the GIL behind the engine's thread (Python's default is 0.005).",
+    )
     db_threads: int = Field(default=32, ge=1, description="Threads for database calls.")
     prepare_threads: int = Field(
         default=2, ge=1, description="Threads for chat templating and tokenizing."
