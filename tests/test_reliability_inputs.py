@@ -207,6 +207,22 @@ def test_slow_headers_are_cut_off(gateway: LiveGateway) -> None:
     assert HEADER_TIMEOUT_S * 0.8 < waited < HEADER_TIMEOUT_S + 3
 
 
+def test_slow_headers_after_a_response_on_a_kept_alive_connection_are_cut_off(
+    gateway: LiveGateway,
+) -> None:
+    with socket.create_connection(("127.0.0.1", _port(gateway)), timeout=10) as conn:
+        conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        response = b""
+        while not response.endswith(b"}"):  # the whole JSON body of the 200
+            response += conn.recv(4096)
+        assert response.startswith(b"HTTP/1.1 200")
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        assert conn.recv(1024) == b""  # closed by the server
+        waited = time.monotonic() - started
+    assert HEADER_TIMEOUT_S * 0.8 < waited < HEADER_TIMEOUT_S + 3
+
+
 def test_idle_connections_are_cut_off(gateway: LiveGateway) -> None:
     with socket.create_connection(("127.0.0.1", _port(gateway)), timeout=10) as conn:
         started = time.monotonic()
