@@ -223,7 +223,8 @@ async def stop_services(services: Services) -> None:
         await services.offload.db(services.audit.checkpoint)
     except AuditUnavailableError as error:
         log.error("shutdown_not_checkpointed", error=str(error))
-    if services.spool.pending == 0:  # everything recorded: nothing for others to mark
+    if services.spool.pending == 0 and services.lifecycle.running == 0:
+        # Every request answered and recorded: nothing for other instances to mark.
         try:
             await services.offload.db(services.leases.release)
         except AuditUnavailableError as error:
