@@ -1,6 +1,6 @@
 """Soak: thousands of mixed requests against a live gateway on loopback, in bounded time.
 
-    python -m bench.soak [--target DIR --draft DIR] [--database-url URL] [--requests 3000]
+    python -m bench.soak [--tiny | --target DIR --draft DIR] [--database-url URL] [--requests 3000]
                          [--concurrency 16] [--max-queue 8] [--max-seconds 600] [--json FILE]
 
 Mixes plain and streamed chat, completions, sampled requests with tiny temperatures and
@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from bench.gateway_overhead import serving
+from bench.gateway_overhead import serving, tiny_target
 from gateway.audit.schema import audit_events
 from gateway.dependencies import Services
 from gateway.settings import load_settings
@@ -150,6 +150,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--target", type=Path)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model built from a config")
     parser.add_argument("--draft", type=Path)
     parser.add_argument("--database-url")
     parser.add_argument("--requests", type=int, default=3000)
@@ -159,8 +160,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="specgate-soak-") as scratch:
+        if args.tiny and args.target is not None:
+            parser.error("--tiny and --target exclude each other")
         settings = load_settings(
-            target=args.target,
+            target=tiny_target(Path(scratch) / "tiny") if args.tiny else args.target,
             draft=args.draft,
             database_url=args.database_url or f"sqlite:///{scratch}/audit.db",
             data_dir=Path(scratch),

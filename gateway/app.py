@@ -1,8 +1,10 @@
 """The gateway application: ``create_app(settings)`` wires settings, audit log, keys and backend.
 
 Startup order matters for fail-closed auditing: the audit store is migrated and reachable,
-events spooled by the previous run are committed, its unanswered requests are marked
-`interrupted`, and the `startup` event is committed before the first request can be served.
+events spooled by the previous run are committed, the models are loaded, this instance's lease
+is taken with its previous run's unanswered requests marked `interrupted` (and those of other
+instances whose lease expired: ``gateway.leases``), and the `startup` event is committed
+before the first request can be served.
 The caller binds the port before the app starts (``gateway.server``), so a start that cannot
 listen writes no `startup` event. Shutdown writes a `shutdown` event and a final checkpoint.
 """
@@ -30,7 +32,10 @@ from gateway.body_limit import BodySizeLimitMiddleware
 from gateway.db import DatabaseTimeouts, make_db_engine, normalise_url, upgrade_database
 from gateway.dependencies import Services
 from gateway.errors import install_error_handlers
+from gateway.interpreter import tuned_for_serving
+from gateway.key_cache import KeyCache
 from gateway.keys import KeyStore, KeyStoreError
+from gateway.leases import Leases
 from gateway.lifecycle import Lifecycle
 from gateway.notes import DEMO_DRAFT_MISSING, demo_draft_missing
 from gateway.observability.audit import ObservedAuditLog
@@ -44,7 +49,7 @@ from gateway.recording import (
     replica_recorder,
     startup_payload,
 )
-from gateway.recovery import instance_id, mark_interrupted
+from gateway.recovery import instance_id
 from gateway.refusals import RefusalLog
 from gateway.routes import admin, audit, completions, health, models
 from gateway.routes import privacy as privacy_routes
@@ -142,15 +147,18 @@ def start_services(
     instance = instance_id(settings.data_dir, settings.instance_id)
     spool = EventSpool(settings.data_dir, audit_log, db, settings.spool_retry_s)
     spool.drain()
-    interrupted = mark_interrupted(audit_log, db, instance)
-    if interrupted:
-        log.warning("requests_interrupted", count=interrupted)
     backend = load_backend(settings, telemetry.fallback_listener(fallback_recorder(spool)))
     telemetry.watch_backend(backend)
     if isinstance(backend, ReplicatedBackend):
         telemetry.metrics.watch_replicas(backend.replica_states)
         backend.watch_replicas(telemetry.replica_listener(replica_recorder(spool)))
+    leases = Leases(audit_log, db, instance, settings.lease_ttl_s)
     try:
+        # After the (slow) model load, so that the lease is fresh when serving starts.
+        interrupted = leases.take()
+        if interrupted:
+            log.warning("requests_interrupted", count=interrupted)
+        _mark_expired(leases)
         _bootstrap_admin(settings, keys)
         audit_log.append(
             "startup",
@@ -188,7 +196,14 @@ def start_services(
         instance_id=instance,
         refusals=refusals,
         privacy=privacy,
+        key_cache=KeyCache(settings.key_cache_ttl_s),
+        leases=leases,
     )
+
+
+def _mark_expired(leases: Leases) -> None:
+    for instance, count in leases.mark_expired().items():
+        log.warning("expired_instance_interrupted", instance_id=instance, count=count)
 
 
 async def stop_services(services: Services) -> None:
@@ -207,6 +222,12 @@ async def stop_services(services: Services) -> None:
         await services.offload.db(services.audit.checkpoint)
     except AuditUnavailableError as error:
         log.error("shutdown_not_checkpointed", error=str(error))
+    if services.spool.pending == 0 and services.lifecycle.running == 0:
+        # Every request answered and recorded: nothing for other instances to mark.
+        try:
+            await services.offload.db(services.leases.release)
+        except AuditUnavailableError as error:
+            log.warning("lease_not_released", error=str(error))
     await run_in_threadpool(services.backend.close)
     await run_in_threadpool(services.spool.close, settings.audit_timeout_s)
     services.offload.close()
@@ -220,6 +241,17 @@ async def _sign_checkpoints(services: Services, interval_s: float) -> None:
             await services.offload.db(services.audit.checkpoint)
         except AuditUnavailableError as error:
             log.warning("checkpoint_not_signed", error=str(error))
+
+
+async def _keep_lease(services: Services, interval_s: float) -> None:
+    """Renew this instance's lease and mark the requests of instances whose lease expired."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await services.offload.db(services.leases.renew)
+            await services.offload.db(_mark_expired, services.leases)
+        except AuditUnavailableError as error:
+            log.warning("lease_not_renewed", error=str(error))
 
 
 async def _expire_content(services: Services, interval_s: float) -> None:
@@ -251,6 +283,7 @@ def create_app(
             _sign_checkpoints(services, settings.checkpoint_interval_s)
         )
         retention = asyncio.create_task(_expire_content(services, settings.retention_interval_s))
+        lease = asyncio.create_task(_keep_lease(services, settings.lease_renew_s))
         log.info(
             "gateway_started",
             model=services.backend.card.model_name,
@@ -263,10 +296,12 @@ def create_app(
                 hint="create one with: specgate keys create --role app --name NAME",
             )
         try:
-            yield
+            with tuned_for_serving(settings.gil_switch_interval_s):
+                yield
         finally:
             checkpoints.cancel()
             retention.cancel()
+            lease.cancel()
             app.state.services = None
             await stop_services(services)
             telemetry.shutdown()

@@ -1,7 +1,9 @@
 """Bearer-key authentication and role checks, as FastAPI dependencies.
 
 Roles are exclusive by design: an ``auditor`` key reads the audit log and nothing else, an
-``app`` key generates and nothing else, an ``admin`` key manages keys.
+``app`` key generates and nothing else, an ``admin`` key manages keys. A key found in the
+database is remembered for ``key_cache_ttl_s`` (``gateway.key_cache``): a repeat caller is
+checked on the event loop, with no database call.
 """
 
 from __future__ import annotations
@@ -31,11 +33,17 @@ async def authenticated(
             code="missing_api_key",
             headers=_CHALLENGE,
         )
-    principal = await services.offload.db(services.keys.authenticate, credentials.credentials)
+    plaintext = credentials.credentials
+    principal = services.key_cache.get(plaintext)
+    if principal is not None:
+        return principal
+    lookup = services.key_cache.lookup()
+    principal = await services.offload.db(services.keys.authenticate, plaintext)
     if principal is None:
         raise APIError(
             401, "Incorrect API key provided.", code="invalid_api_key", headers=_CHALLENGE
         )
+    services.key_cache.remember(plaintext, principal, lookup)
     return principal
 
 

@@ -17,7 +17,9 @@ from gateway.audit.log import AuditLog
 from gateway.audit.signing import CheckpointSigner
 from gateway.backends.base import GenerationBackend
 from gateway.errors import APIError
+from gateway.key_cache import KeyCache
 from gateway.keys import KeyStore
+from gateway.leases import Leases
 from gateway.lifecycle import Lifecycle
 from gateway.observability.telemetry import Telemetry
 from gateway.offload import Offload
@@ -43,6 +45,8 @@ class Services:
     instance_id: str
     refusals: RefusalLog
     privacy: PrivacyStore
+    key_cache: KeyCache
+    leases: Leases
 
 
 def get_services(request: Request) -> Services:

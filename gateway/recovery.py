@@ -17,6 +17,7 @@ import sqlalchemy as sa
 
 from gateway.audit.log import AuditLog, AuditUnavailableError
 from gateway.audit.schema import audit_events
+from gateway.db import write_connection
 
 INSTANCE_ID_FILE = "instance-id"
 
@@ -44,52 +45,69 @@ def _previous_startup_seq(connection: sa.Connection, instance: str) -> int | Non
         .where(audit_events.c.kind == "startup")
         .order_by(audit_events.c.seq.desc())
     )
-    for seq, payload in connection.execution_options(yield_per=100).execute(query):
+    for seq, payload in connection.execute(query.execution_options(yield_per=100)):
         if payload.get("instance_id") == instance:
             return int(seq)
     return None
 
 
-def unanswered_requests(db: sa.Engine, instance: str) -> list[tuple[str, dict[str, object]]]:
+def unanswered_requests(
+    connection: sa.Connection, instance: str
+) -> list[tuple[str, dict[str, object]]]:
     """(event id, payload) of this instance's `request` events since its previous `startup`
     that have no `completion` or `interrupted` event, oldest first."""
-    with db.connect() as connection:
-        since = _previous_startup_seq(connection, instance)
-        if since is None:
-            return []
-        query = (
-            sa.select(audit_events.c.event_id, audit_events.c.kind, audit_events.c.payload)
-            .where(
-                audit_events.c.seq > since,
-                audit_events.c.kind.in_(("request", "completion", "interrupted")),
-            )
-            .order_by(audit_events.c.seq)
+    since = _previous_startup_seq(connection, instance)
+    if since is None:
+        return []
+    query = (
+        sa.select(audit_events.c.event_id, audit_events.c.kind, audit_events.c.payload)
+        .where(
+            audit_events.c.seq > since,
+            audit_events.c.kind.in_(("request", "completion", "interrupted")),
         )
-        open_requests: dict[str, dict[str, object]] = {}
-        for event_id, kind, payload in connection.execution_options(yield_per=1000).execute(query):
-            if kind == "request":
-                if payload.get("instance_id") == instance:
-                    open_requests[event_id] = payload
-            else:
-                open_requests.pop(str(payload.get("request_event_id")), None)
+        .order_by(audit_events.c.seq)
+    )
+    open_requests: dict[str, dict[str, object]] = {}
+    for event_id, kind, payload in connection.execute(query.execution_options(yield_per=1000)):
+        if kind == "request":
+            if payload.get("instance_id") == instance:
+                open_requests[event_id] = payload
+        else:
+            open_requests.pop(str(payload.get("request_event_id")), None)
     return list(open_requests.items())
 
 
-def mark_interrupted(audit: AuditLog, db: sa.Engine, instance: str) -> int:
-    """Append an `interrupted` event for each unanswered request; returns how many."""
-    try:
-        unanswered = unanswered_requests(db, instance)
-    except sa.exc.SQLAlchemyError as error:
-        raise AuditUnavailableError(f"audit store unavailable: {error}") from error
+def mark_interrupted_in(
+    audit: AuditLog, connection: sa.Connection, instance: str, reason: str, marked_by: str
+) -> int:
+    """Inside the caller's write transaction, append an `interrupted` event for each of
+    ``instance``'s unanswered requests; returns how many. Callers serialise on the
+    instance's lease row (``gateway.leases``), so two gateways never mark one request twice."""
+    unanswered = unanswered_requests(connection, instance)
     for event_id, payload in unanswered:
-        audit.append(
+        audit.append_in(
+            connection,
             "interrupted",
             "specgate",
             {
                 "request_event_id": event_id,
                 "request_id": payload.get("request_id"),
                 "instance_id": instance,
-                "reason": "the gateway stopped before the request was answered",
+                "marked_by": marked_by,
+                "reason": reason,
             },
         )
     return len(unanswered)
+
+
+RESTART_REASON = "the gateway stopped before the request was answered"
+
+
+def mark_interrupted(audit: AuditLog, db: sa.Engine, instance: str) -> int:
+    """Append an `interrupted` event for each of this instance's unanswered requests (one
+    transaction); returns how many."""
+    try:
+        with write_connection(db) as connection, connection.begin():
+            return mark_interrupted_in(audit, connection, instance, RESTART_REASON, instance)
+    except sa.exc.SQLAlchemyError as error:
+        raise AuditUnavailableError(f"audit store unavailable: {error}") from error

@@ -12,7 +12,15 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -271,6 +279,19 @@ class Settings(BaseSettings):
         description="Longest a request waits for a database call (key lookup, audit append) "
         "before it is answered 503 audit_unavailable; also bounds /readyz.",
     )
+    key_cache_ttl_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="An API key the database accepted is trusted for this long without asking "
+        "again; a key revoked on another replica or with the CLI stops working within it "
+        "(at once when revoked through this gateway's admin API). 0: ask every time.",
+    )
+    gil_switch_interval_s: float = Field(
+        default=0.0005,
+        gt=0,
+        description="Python's GIL switch interval while serving: how long the event loop may "
+        "wait for the GIL behind the engine's thread (Python's default is 0.005).",
+    )
     db_threads: int = Field(default=32, ge=1, description="Threads for database calls.")
     prepare_threads: int = Field(
         default=2, ge=1, description="Threads for chat templating and tokenizing."
@@ -298,6 +319,18 @@ class Settings(BaseSettings):
     )
     spool_retry_s: float = Field(
         default=1.0, gt=0, description="Pause between attempts to commit spooled events."
+    )
+    lease_ttl_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="An instance that has not renewed its lease for this long is taken for "
+        "gone: another instance marks its unanswered requests `interrupted`. Keep it well "
+        "above lease_renew_s plus the database's worst stall.",
+    )
+    lease_renew_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How often this instance renews its lease and looks for expired ones.",
     )
     refusal_window_s: float = Field(
         default=10.0,
@@ -339,6 +372,15 @@ class Settings(BaseSettings):
             f"backend.vllm_servers[{index}].url": server.url
             for index, server in enumerate(self.backend.vllm_servers)
         }
+
+    @model_validator(mode="after")
+    def _lease_renewed_in_time(self) -> Settings:
+        if self.lease_renew_s >= self.lease_ttl_s:
+            raise ValueError(
+                f"lease_renew_s ({self.lease_renew_s:g}) must be below lease_ttl_s "
+                f"({self.lease_ttl_s:g}), or a live instance's lease would expire"
+            )
+        return self
 
     @field_validator("database_url")
     @classmethod

@@ -7,8 +7,10 @@ states how it is measured.
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import json
+import multiprocessing
+import os
 import socket
 import statistics
 import threading
@@ -26,10 +28,12 @@ from engine.types import SamplingParams
 from gateway.audit.schema import audit_events
 from gateway.db import upgrade_database
 from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
+from tests.overload_client import burst_then_probe
 from tests.tiny_models import build_pair
 
 MODEL = "target"
 MAX_QUEUE = 128
+PROBES = 40
 PROMPT_BYTES = 8 * 1024
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0
@@ -203,6 +207,22 @@ def test_slow_headers_are_cut_off(gateway: LiveGateway) -> None:
     assert HEADER_TIMEOUT_S * 0.8 < waited < HEADER_TIMEOUT_S + 3
 
 
+def test_slow_headers_after_a_response_on_a_kept_alive_connection_are_cut_off(
+    gateway: LiveGateway,
+) -> None:
+    with socket.create_connection(("127.0.0.1", _port(gateway)), timeout=10) as conn:
+        conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        response = b""
+        while not response.endswith(b"}"):  # the whole JSON body of the 200
+            response += conn.recv(4096)
+        assert response.startswith(b"HTTP/1.1 200")
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        assert conn.recv(1024) == b""  # closed by the server
+        waited = time.monotonic() - started
+    assert HEADER_TIMEOUT_S * 0.8 < waited < HEADER_TIMEOUT_S + 3
+
+
 def test_idle_connections_are_cut_off(gateway: LiveGateway) -> None:
     with socket.create_connection(("127.0.0.1", _port(gateway)), timeout=10) as conn:
         started = time.monotonic()
@@ -250,77 +270,37 @@ def test_concurrent_migrations_on_a_fresh_database_both_succeed() -> None:
 # --- overload ------------------------------------------------------------------------------
 
 
-def test_full_queue_answers_429_at_once(gateway: LiveGateway) -> None:
+def test_full_queue_answers_every_429_within_100_ms(gateway: LiveGateway) -> None:
     """150 concurrent streams against max_queue 128: 128 are admitted, 22 get 429 with
-    Retry-After. Then, with the queue still full, each further request's 429 time is
-    measured: all under 100 ms at the median, none over 250 ms (a busy shared machine)."""
+    Retry-After. Then, with the queue still full (128 streams decoding), each of PROBES
+    further requests is answered 429 within 100 ms, send to last byte. The client runs in its
+    own process, as real clients do: in the gateway's process it would share its GIL."""
     body = {**CHAT, "max_tokens": 400, "stream": True, "temperature": 0}
-    first_line: dict[int, float] = {}
-
-    async def run() -> tuple[list[int], list[float], list[str | None]]:
-        limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)
-        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-            admitted: list[httpx.Response] = []
-            statuses: list[int] = []
-            retry_after: list[str | None] = []
-
-            async def one(index: int) -> None:
-                request = client.build_request(
-                    "POST",
-                    gateway.base_url + "/v1/chat/completions",
-                    json=body,
-                    headers=_headers(gateway),
-                )
-                response = await client.send(request, stream=True)
-                statuses.append(response.status_code)
-                if response.status_code == 200:
-                    admitted.append(response)
-                else:
-                    retry_after.append(response.headers.get("retry-after"))
-                    await response.aread()
-                    await response.aclose()
-                first_line[index] = time.perf_counter()
-
-            await asyncio.gather(*(one(i) for i in range(150)))
-            services = gateway.services
-            assert MAX_QUEUE - 3 <= services.admission.in_use <= MAX_QUEUE
-            extra: list[float] = []
-            for _ in range(20):
-                request = client.build_request(
-                    "POST",
-                    gateway.base_url + "/v1/chat/completions",
-                    json=body,
-                    headers=_headers(gateway),
-                )
-                started = time.perf_counter()
-                response = await client.send(request, stream=True)
-                if response.status_code == 200:
-                    # A stream finished and freed its slot meanwhile; holding this one keeps
-                    # the queue full. It is not a 429 sample.
-                    admitted.append(response)
-                    continue
-                extra.append(time.perf_counter() - started)
-                assert response.status_code == 429
-                assert response.headers["retry-after"] == "1"
-                await response.aread()
-                await response.aclose()
-            assert len(extra) >= 15, "too many streams finished to keep the queue full"
-            for response in admitted:
-                await response.aclose()
-            return statuses, extra, retry_after
-
-    statuses, extra, retry_after = asyncio.run(run())
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        found = pool.submit(
+            burst_then_probe,
+            gateway.base_url + "/v1/chat/completions",
+            _headers(gateway),
+            body,
+            150,
+            PROBES,
+        ).result(timeout=300)
+    statuses, extra = found["statuses"], found["probe_times_s"]
     assert sorted(set(statuses)) == [200, 429]
     # The tiny model decodes a 400-token stream in well under a second, so on a slow machine
     # a stream or two may finish (and free its slot) while the burst is still arriving.
     assert MAX_QUEUE <= statuses.count(200) <= MAX_QUEUE + 3
     assert statuses.count(429) == 150 - statuses.count(200)
-    assert set(retry_after) == {"1"}
+    assert set(found["retry_after"]) == {"1"} == set(found["probe_retry_after"])
+    assert set(found["probe_statuses"]) <= {200, 429}
+    assert len(extra) >= PROBES * 3 // 4, "too many streams finished to keep the queue full"
     print(
-        f"429 answer times: median {statistics.median(extra) * 1000:.1f} ms, "
-        f"max {max(extra) * 1000:.1f} ms"
+        f"429 answer times over {len(extra)} probes: median "
+        f"{statistics.median(extra) * 1000:.1f} ms, max {max(extra) * 1000:.1f} ms "
+        f"(load {os.getloadavg()[0]:.1f})"
     )
-    assert statistics.median(extra) < 0.1 and max(extra) < 0.25, extra
+    assert max(extra) < 0.1, sorted(extra)
     # The abandoned streams free their slots; the gateway serves again.
     deadline = time.monotonic() + 30
     while gateway.services.admission.in_use and time.monotonic() < deadline:

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
 from gateway.auth import AdminPrincipal
-from gateway.dependencies import KeysDep
+from gateway.dependencies import KeysDep, ServicesDep
 from gateway.errors import APIError
 from gateway.keys import KeyStoreError, Principal
 from gateway.schemas import CreatedKey, KeyCreateRequest, KeyInfo, KeyUpdateRequest
@@ -53,9 +53,10 @@ async def update_key(
 
 
 @router.delete("/{key}")
-async def revoke_key(key: str, principal: AdminPrincipal, keys: KeysDep) -> dict[str, str]:
+async def revoke_key(key: str, principal: AdminPrincipal, services: ServicesDep) -> dict[str, str]:
     try:
-        await run_in_threadpool(keys.revoke, key, principal.key_id)
+        await run_in_threadpool(services.keys.revoke, key, principal.key_id)
     except KeyStoreError as error:
         raise APIError(404, str(error), param="key", code="key_not_found") from error
+    services.key_cache.forget(key)
     return {"revoked": key}
