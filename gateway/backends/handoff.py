@@ -9,7 +9,7 @@ import contextlib
 import queue
 from collections.abc import AsyncIterator, Callable
 
-from engine.types import GenerationResult, StreamDelta
+from engine.types import GenerationResult, StreamDelta, TokenLogprob
 
 
 class HandedOffGeneration:
@@ -19,6 +19,8 @@ class HandedOffGeneration:
         self._waker: Callable[[], None] | None = None
         self._token_ids: list[int] = []
         self._text: list[str] = []
+        # None until a delta carries logprobs (the request asked for them).
+        self._logprobs: list[TokenLogprob] | None = None
         self.cancelled = False
 
     def cancel(self) -> None:
@@ -37,6 +39,8 @@ class HandedOffGeneration:
             raise item
         self._token_ids.extend(item.token_ids)
         self._text.append(item.text)
+        if item.logprobs is not None:
+            self._logprobs = [*(self._logprobs or ()), *item.logprobs]
         return item
 
     async def deltas(self) -> AsyncIterator[StreamDelta]:
@@ -67,6 +71,7 @@ class HandedOffGeneration:
             last = delta
         if last is None or last.finish_reason is None or last.stats is None:
             raise RuntimeError("generation ended without a final delta")
+        logprobs = None if self._logprobs is None else tuple(self._logprobs)
         return GenerationResult(
-            tuple(self._token_ids), "".join(self._text), last.finish_reason, last.stats
+            tuple(self._token_ids), "".join(self._text), last.finish_reason, last.stats, logprobs
         )

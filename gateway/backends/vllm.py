@@ -22,6 +22,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -49,7 +50,6 @@ from gateway.backends.vllm_wire import (
     WireError,
     completion_body,
     parse_event,
-    refuse_unsupported,
     spec_counters,
 )
 from gateway.settings import ConfigError, Settings
@@ -60,6 +60,9 @@ T = TypeVar("T")
 # vLLM's speculative methods as Specgate names them: n-gram lookup is ``ngram``; every
 # method that runs a model (a draft, EAGLE heads, MTP, Medusa) is model-based, ``draft``.
 _METHOD_NAMES: dict[str, Method] = {"ngram": "ngram"}
+# The audit ``artefacts`` kind of the weights a model-based vLLM method loads (its config's
+# ``model``), named as the built-in engine names its own; other methods keep vLLM's name.
+_ARTEFACT_KINDS = {"draft_model": "draft_model", "medusa": "medusa_heads"}
 # vocab_size for the card when no model_dir names the config: vLLM checks prompt ids itself.
 _UNKNOWN_VOCAB = 2**31 - 1
 
@@ -107,6 +110,26 @@ def _versions(settings: Settings) -> str:
     if len(found) != 1:
         raise ConfigError(f"backend.vllm_servers: servers name different model versions {found}")
     return found.pop()
+
+
+def speculative_artefact(config: Mapping[str, Any]) -> dict[str, str] | None:
+    """The versioned artefact a speculative config loads besides the target (a draft model,
+    heads), from the ``specgate models hash`` manifest beside its weights; None for n-gram.
+
+    The gateway cannot hash weights on the server, so it reads the manifest at the path the
+    server was given: that directory must be visible to the gateway (a shared volume), as the
+    target's ``model_dir`` is. Without a manifest the gateway refuses to start, since records
+    naming an unversioned draft could not show what produced an answer."""
+    model = config.get("model")
+    if model is None:
+        return None
+    method = str(config.get("method"))
+    try:
+        version = read_manifest(Path(str(model)))
+    except ValueError as error:
+        raise ConfigError(f"backend.vllm_servers speculative_config.model: {error}") from None
+    kind = _ARTEFACT_KINDS.get(method, method)
+    return {"kind": kind, "name": Path(str(model)).name, "version": version}
 
 
 def _vocab_size(settings: Settings) -> int:
@@ -216,18 +239,19 @@ class VllmBackend:
         if spec_method is not None:
             methods.append(spec_method)
         k = speculative.get("num_speculative_tokens") if speculative else None
-        draft = speculative.get("model") if speculative else None
+        artefact = speculative_artefact(speculative) if speculative else None
         return BackendCard(
             model_name=settings.served_model_name or self._vllm_name,
             target_version=_versions(settings),
-            draft_name=str(draft) if draft else None,
-            draft_version=None,
+            draft_name=artefact["name"] if artefact else None,
+            draft_version=artefact["version"] if artefact else None,
             max_context=max_context,
             vocab_size=_vocab_size(settings),
             available_methods=tuple(methods),
             speculative_config=dict(speculative) if speculative else {},
             default_method=spec_method or "none",
             default_num_speculative_tokens=int(k) if isinstance(k, int) else None,
+            artefacts=(artefact,) if artefact else (),
         )
 
     def _run_loop(self) -> None:
@@ -362,7 +386,6 @@ class VllmBackend:
     def submit(self, request: GenerationRequest) -> HandedOffGeneration:
         if self._closed:
             raise BackendUnavailableError("the vLLM backend is shut down")
-        refuse_unsupported(request)
         pool, fallback = self._route(request)
         holder: dict[str, Any] = {}
 
@@ -460,7 +483,7 @@ class VllmBackend:
                 raise _StatusError(response.status_code, _error_message(response))
             try:
                 async for line in response.aiter_lines():
-                    piece = parse_event(line)
+                    piece = parse_event(line, request.sampling.logprobs)
                     if piece is None:
                         continue
                     if piece.usage is not None or piece.speculative is not None:
@@ -470,7 +493,9 @@ class VllmBackend:
                         if first_token_at is None:
                             first_token_at = time.perf_counter()
                         output_tokens += len(piece.token_ids)
-                        handle.put(StreamDelta(piece.text, piece.token_ids))
+                        handle.put(
+                            StreamDelta(piece.text, piece.token_ids, logprobs=piece.logprobs)
+                        )
                     finish = piece.finish_reason or finish
             except httpx.TransportError as error:
                 raise _MidStreamError(
@@ -481,7 +506,8 @@ class VllmBackend:
         stats = await self._stats(request, replica, output_tokens, per_request, fallback)
         stats.time_to_first_token_s = (first_token_at or time.perf_counter()) - started
         stats.total_time_s = time.perf_counter() - started
-        handle.put(StreamDelta("", (), finish, stats))
+        asked = request.sampling.logprobs is not None
+        handle.put(StreamDelta("", (), finish, stats, () if asked else None))
 
     async def _stats(
         self,
@@ -567,4 +593,3 @@ def load_vllm_backend(
     settings: Settings, on_fallback: Callable[[FallbackEvent], None]
 ) -> VllmBackend:
     return VllmBackend.load(settings, on_fallback)
-
