@@ -1,16 +1,20 @@
 """The built-in engine and vLLM (CPU) behind the same gateway, side by side in one run.
 
-    python -m bench.vllm_side_by_side [--target DIR] [--concurrency 1 4 16]
-                                      [--max-tokens 32] [--requests-per-level 16] [--json FILE]
+    python -m bench.vllm_side_by_side [--target DIR] [--draft DIR | --no-draft]
+                                      [--concurrency 1 4 16] [--max-tokens 32]
+                                      [--requests-per-level 16] [--json FILE]
 
-Starts two vLLM servers on the demo target in float32 (one plain, one with n-gram
-speculation; vLLM's CPU build has no draft-model or EAGLE path worth timing on two cores,
-see docs/vllm.md), then, at each concurrency, sends the same greedy chat requests (the code
-prompts) through:
+Starts vLLM servers on the demo target in float32: one plain, one with n-gram speculation
+and, when the demo draft is built (or ``--draft`` names one sharing the target's
+vocabulary), one with vLLM's ``draft_model`` speculation on it (docs/vllm.md). Then, at each
+concurrency, it sends the same greedy chat requests (the code prompts) through:
 
-- the gateway over the built-in engine, plain and n-gram;
-- the gateway over the vLLM servers, plain (``speculative: false``) and n-gram;
-- vLLM directly (its own ``/v1/chat/completions``), plain and n-gram.
+- the gateway over the built-in engine, plain, n-gram and draft;
+- the gateway over the vLLM servers, plain (``speculative: false``), n-gram and draft;
+- vLLM directly (its own ``/v1/chat/completions``), plain, n-gram and draft.
+
+The gateway reads the draft's version from the ``specgate models hash`` manifest beside it,
+which the bench writes when it is missing (as an operator would).
 
 It reports tokens/s (all completion tokens over the level's wall time), p50/p99 request
 latency, the acceptance rate, and the gateway's added latency over calling vLLM directly
@@ -37,12 +41,22 @@ import httpx
 
 from bench.gateway_overhead import serving
 from bench.vllm_server import VllmServer
-from engine.versioning import model_version
+from engine.versioning import MANIFEST_NAME, model_version, write_manifest
 from gateway.settings import DEMO_MODEL_NAME, Settings
 
 PROMPTS = Path(__file__).parent / "prompts" / "code.jsonl"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
+NUM_DRAFT_TOKENS = 4
+
+
+def draft_config(draft: Path) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` for a draft model (it must share the vocabulary)."""
+    return {
+        "method": "draft_model",
+        "model": str(draft),
+        "num_speculative_tokens": NUM_DRAFT_TOKENS,
+    }
 
 
 @dataclass
@@ -125,20 +139,31 @@ async def level(route: Route, prompts: list[list[dict[str, str]]], concurrency: 
 
 
 @contextmanager
-def vllm_servers(target: Path, logs: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
-    plain = VllmServer(target, DEMO_MODEL_NAME, logs / "plain.log", max_model_len=2048)
-    ngram = VllmServer(
-        target, DEMO_MODEL_NAME, logs / "ngram.log", speculative_config=NGRAM, max_model_len=2048
-    )
-    plain.start()
-    ngram.start()
+def vllm_servers(target: Path, logs: Path, draft: Path | None) -> Iterator[dict[str, VllmServer]]:
+    """The servers by speculation method ("plain", "ngram", and "draft" with a draft), started
+    side by side."""
+    configs: dict[str, dict[str, Any] | None] = {"plain": None, "ngram": NGRAM}
+    if draft is not None:
+        configs["draft"] = draft_config(draft)
+    servers = {
+        name: VllmServer(
+            target,
+            DEMO_MODEL_NAME,
+            logs / f"{name}.log",
+            speculative_config=config,
+            max_model_len=2048,
+        )
+        for name, config in configs.items()
+    }
     try:
-        plain.wait_ready()
-        ngram.wait_ready()
-        yield plain, ngram
+        for server in servers.values():
+            server.start()
+        for server in servers.values():
+            server.wait_ready()
+        yield servers
     finally:
-        plain.stop()
-        ngram.stop()
+        for server in servers.values():
+            server.stop()
 
 
 def gateway_route(stack: ExitStack, name: str, settings: Settings, extra: dict[str, Any]) -> Route:
@@ -150,6 +175,8 @@ def gateway_route(stack: ExitStack, name: str, settings: Settings, extra: dict[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", type=Path, default=None)
+    parser.add_argument("--draft", type=Path, default=None, help="default: the demo draft")
+    parser.add_argument("--no-draft", action="store_true", help="no draft rows")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests-per-level", type=int, default=16)
@@ -158,34 +185,59 @@ def main() -> None:
     from engine.demo.paths import default_demo_dir
 
     target = args.target or default_demo_dir() / "target"
+    draft = None if args.no_draft else args.draft or default_demo_dir() / "draft"
+    if draft is not None and not (draft / "config.json").is_file():
+        print(f"no draft at {draft}: no draft rows", flush=True)
+        draft = None
+    if draft is not None and not (draft / MANIFEST_NAME).is_file():
+        write_manifest(draft)  # `specgate models hash DRAFT`: the vLLM backend reads it
     prompts = [json.loads(line)["messages"] for line in PROMPTS.read_text().splitlines()]
     scratch = Path(tempfile.mkdtemp(prefix="specgate-vllm-bench-"))
     version = model_version(target)  # what the operator would give the vLLM backend
-    with vllm_servers(target, scratch) as (plain, ngram), ExitStack() as stack:
+    with vllm_servers(target, scratch, draft) as servers, ExitStack() as stack:
         common: dict[str, Any] = {"log_format": "console", "log_level": "warning"}
-        local = Settings(target=target, speculative_config=json.dumps(NGRAM),
-                         served_model_name=DEMO_MODEL_NAME, dtype="float32", device="cpu",
-                         database_url=f"sqlite:///{scratch}/local.db",
-                         data_dir=scratch / "local", **common)  # fmt: skip
-        remote = Settings(
-            backend={
-                "kind": "vllm",
-                "vllm_servers": [
-                    {"url": plain.url, "model_version": version},
-                    {"url": ngram.url, "model_version": version, "speculative_config": NGRAM},
-                ],
-            },
-            database_url=f"sqlite:///{scratch}/vllm.db",
-            data_dir=scratch / "vllm",
-            **common,
-        )
+
+        def local(name: str, **speculation: Any) -> Settings:
+            return Settings(target=target, served_model_name=DEMO_MODEL_NAME, dtype="float32",
+                            device="cpu", database_url=f"sqlite:///{scratch}/{name}.db",
+                            data_dir=scratch / name, **speculation, **common)  # fmt: skip
+
+        local_ngram = local("local", speculative_config=json.dumps(NGRAM))
+        plain = servers["plain"]
+
+        def remote(method: str) -> Settings:
+            speculative = servers[method]
+            return Settings(
+                backend={
+                    "kind": "vllm",
+                    "vllm_servers": [
+                        {"url": plain.url, "model_version": version},
+                        {
+                            "url": speculative.url,
+                            "model_version": version,
+                            "speculative_config": speculative.speculative_config,
+                        },
+                    ],
+                },
+                database_url=f"sqlite:///{scratch}/vllm-{method}.db",
+                data_dir=scratch / f"vllm-{method}",
+                **common,
+            )
+
         routes = [
-            gateway_route(stack, "gateway+engine plain", local, {"speculative": False}),
-            gateway_route(stack, "gateway+engine ngram", local, {}),
-            gateway_route(stack, "gateway+vllm plain", remote, {"speculative": False}),
-            gateway_route(stack, "gateway+vllm ngram", remote, {}),
-            Route("vllm direct plain", plain.url, {}, DEMO_MODEL_NAME, {}, True),
-            Route("vllm direct ngram", ngram.url, {}, DEMO_MODEL_NAME, {}, True),
+            gateway_route(stack, "gateway+engine plain", local_ngram, {"speculative": False}),
+            gateway_route(stack, "gateway+engine ngram", local_ngram, {}),
+            gateway_route(stack, "gateway+vllm plain", remote("ngram"), {"speculative": False}),
+            gateway_route(stack, "gateway+vllm ngram", remote("ngram"), {}),
+        ]
+        if draft is not None:
+            routes += [
+                gateway_route(stack, "gateway+engine draft", local("local-draft", draft=draft), {}),
+                gateway_route(stack, "gateway+vllm draft", remote("draft"), {}),
+            ]
+        routes += [
+            Route(f"vllm direct {name}", server.url, {}, DEMO_MODEL_NAME, {}, True)
+            for name, server in servers.items()
         ]
         rows: list[Row] = []
         for concurrency in args.concurrency:
@@ -200,13 +252,13 @@ def main() -> None:
         f"{pool} c={c}": round(
             by[(f"gateway+vllm {pool}", c)].p50_ms / by[(f"vllm direct {pool}", c)].p50_ms - 1, 4
         )
-        for pool in ("plain", "ngram")
+        for pool in servers
         for c in args.concurrency
     }
     report = {
         "load_average_1m": os.getloadavg()[0],
         "max_tokens": args.max_tokens,
-        "startup_s": {"vllm_plain": plain.startup_s, "vllm_ngram": ngram.startup_s},
+        "startup_s": {f"vllm_{name}": server.startup_s for name, server in servers.items()},
         "rows": [asdict(r) for r in rows],
         "gateway_added_p50_fraction": added,
     }

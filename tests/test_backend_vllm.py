@@ -9,6 +9,7 @@ killed replica is taken out (that test runs last: it kills the speculative serve
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,6 +202,69 @@ def test_completions_equal_vllm_token_for_token(
         )
         text, tokens = reply.choices[0].text, reply.usage.completion_tokens  # type: ignore[union-attr]
     assert (text, tokens) == (own["choices"][0]["text"], len(own["choices"][0]["token_ids"]))
+
+
+def ask(gateway: LiveGateway, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Specgate's answer as JSON objects: the one body, or each streamed chunk."""
+    headers = {"Authorization": f"Bearer {gateway.keys['app']}"}
+    url, payload = gateway.base_url + path, {"model": SERVED, **body}
+    if not body.get("stream"):
+        reply = httpx.post(url, json=payload, headers=headers, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return [reply.json()]
+    with httpx.stream("POST", url, json=payload, headers=headers, timeout=120) as reply:
+        assert reply.status_code == 200, reply.read()
+        lines = [line[5:].strip() for line in reply.iter_lines() if line.startswith("data:")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
+def distinct_texts(entry: dict[str, Any]) -> bool:
+    texts = [top["token"] for top in entry["top_logprobs"]]
+    return len(set(texts)) == len(texts)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_logprobs_equal_vllm_own(
+    gateway: LiveGateway,
+    vllm: Servers,
+    chat_case: tuple[list[dict[str, str]], dict[str, Any]],
+    completion_case: tuple[str, dict[str, Any]],
+    speculative: bool,
+) -> None:
+    """Logprobs through Specgate are vLLM's own, on the pool the request went to: completions
+    exactly; streamed chat token for token, with the alternatives too wherever their texts
+    differ (vLLM's completions endpoint, which the backend calls, merges alternatives of the
+    same text; docs/vllm.md)."""
+    server = vllm.speculative if speculative else vllm.plain
+    prompt, _ = completion_case
+    legacy = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    own = direct(server, "/v1/completions", legacy)["choices"][0]["logprobs"]
+    (answer,) = ask(gateway, "/v1/completions", {**legacy, "speculative": speculative})
+    assert answer["choices"][0]["logprobs"] == own
+    assert payloads(gateway, "completion")[-1]["replica"] == server.url
+
+    messages, _ = chat_case
+    chat = {"messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": True,
+            "top_logprobs": 3}  # fmt: skip
+    own_chat = direct(server, "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
+    chunks = ask(gateway, "/v1/chat/completions", {**chat, "stream": True,
+                                                   "speculative": speculative})  # fmt: skip
+    streamed = [
+        entry
+        for chunk in chunks
+        for choice in chunk["choices"]
+        for entry in (choice.get("logprobs") or {}).get("content") or []
+    ]
+    chosen = ("token", "logprob", "bytes")
+    assert [[e[k] for k in chosen] for e in streamed] == [[e[k] for k in chosen] for e in own_chat]
+    compared = [
+        (mine, theirs)
+        for mine, theirs in zip(streamed, own_chat, strict=True)
+        if distinct_texts(theirs)
+    ]
+    assert compared, "no position with distinct alternatives to compare"
+    for mine, theirs in compared:
+        assert mine["top_logprobs"] == theirs["top_logprobs"]
 
 
 def test_audit_records_carry_version_and_speculative_config(

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from engine.versioning import MANIFEST_NAME, model_version, read_manifest, write_manifest
+from gateway.backends.vllm import served_artefacts, specgate_method
 from gateway.backends.vllm_acceptance import IntervalAttribution, split
 from gateway.backends.vllm_replicas import Replica, Replicas
-from gateway.backends.vllm_wire import WireError, parse_event, spec_counters
+from gateway.backends.vllm_wire import WireError, parse_event, spec_counters, token_logprobs
 from gateway.cli import app as cli
 from gateway.observability.egress import EgressRefusedError
 from gateway.observability.telemetry import check_egress
@@ -141,6 +142,21 @@ def test_a_missing_manifest_names_the_command(tmp_path: Path) -> None:
         read_manifest(tmp_path)
 
 
+def test_a_draft_model_server_records_the_drafts_version(tmp_path: Path) -> None:
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text('{"vocab_size": 320}')
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    with pytest.raises(ConfigError, match=f"specgate models hash {draft}"):
+        served_artefacts(config)  # an unversioned draft: the gateway refuses to start
+    write_manifest(draft)
+    assert served_artefacts(config) == (
+        {"kind": "draft_model", "name": "draft", "version": model_version(draft)},
+    )
+    assert specgate_method(config) == "draft"
+    assert served_artefacts(NGRAM) == () and specgate_method(NGRAM) == "ngram"
+
+
 # --- wire ----------------------------------------------------------------------------------
 
 
@@ -159,6 +175,30 @@ def test_stream_pieces_and_per_request_figures() -> None:
     assert parse_event("data: [DONE]") is None
     with pytest.raises(WireError):
         parse_event('data: {"error": {"message": "boom"}}')
+
+
+def test_logprobs_keep_the_asked_number_of_most_likely_alternatives() -> None:
+    # vLLM's map holds the chosen token too when it is not among the top ones (" b" here).
+    wire = {
+        "tokens": ["é", " b"],
+        "token_logprobs": [-0.1, -3.0],
+        "top_logprobs": [{"é": -0.1, "x": -2.5}, {" b": -3.0, "a": -0.2, "c": -1.0}],
+    }
+    first, second = token_logprobs(wire, (7, 9), 2)
+    assert (first.token_id, first.text, first.bytes, first.logprob) == (7, "é", (195, 169), -0.1)
+    assert first.top == (("é", (195, 169), -0.1), ("x", (120,), -2.5))
+    assert second.top == (("a", (97,), -0.2), ("c", (99,), -1.0))
+    assert [e.top for e in token_logprobs(wire, (7, 9), 0)] == [(), ()]
+    piece = parse_event(
+        'data: {"choices":[{"text":"é b","token_ids":[7,9],"logprobs":' + json.dumps(wire) + "}]}",
+        top_logprobs=1,
+    )
+    assert piece is not None and piece.logprobs is not None
+    assert [e.top for e in piece.logprobs] == [(first.top[0],), (second.top[0],)]
+    with pytest.raises(WireError, match="2 tokens in a chunk of 3"):
+        token_logprobs(wire, (7, 9, 11), 2)
+    with pytest.raises(WireError, match="has none"):
+        token_logprobs(None, (7,), 2)
 
 
 def test_prometheus_counters_are_read_by_name() -> None:

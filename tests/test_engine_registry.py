@@ -32,7 +32,7 @@ from engine.methods import (
 from engine.proposers.base import Proposal
 from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
-from engine.versioning import model_version
+from engine.versioning import model_version, write_manifest
 from gateway.audit.schema import audit_events
 from gateway.backends.vllm import served_artefacts, specgate_method
 from tests.api_harness import fresh_database, gateway_settings, live_gateway
@@ -291,13 +291,17 @@ def test_the_gateway_lists_serves_and_audits_a_method_registered_elsewhere(
 
 
 def test_a_vllm_server_s_method_and_model_are_named_through_the_registry(
-    echo_method: MethodSpec,
+    echo_method: MethodSpec, tmp_path: Path
 ) -> None:
+    table = tmp_path / "echo-table"
+    table.mkdir()
+    (table / ECHO_FILE).write_text(json.dumps({"span": 2}))
+    write_manifest(table)
     assert specgate_method({"method": "draft_model", "model": "/m/d"}) == "draft"
-    assert specgate_method({"method": "echo_vllm", "model": "/m/e"}) == "echo"
+    assert specgate_method({"method": "echo_vllm", "model": str(table)}) == "echo"
     assert specgate_method({"method": "mtp"}) == "draft"  # runs a model Specgate does not name
-    assert served_artefacts({"method": "echo_vllm", "model": "/m/e"}) == (
-        {"kind": "echo_table", "name": "/m/e", "version": None},
+    assert served_artefacts({"method": "echo_vllm", "model": str(table)}) == (
+        {"kind": "echo_table", "name": table.name, "version": model_version(table)},
     )
     assert served_artefacts({"method": "ngram"}) == ()
     assert served_artefacts(None) == ()

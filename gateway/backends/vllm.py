@@ -22,6 +22,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -53,7 +54,6 @@ from gateway.backends.vllm_wire import (
     WireError,
     completion_body,
     parse_event,
-    refuse_unsupported,
     spec_counters,
 )
 from gateway.settings import ConfigError, Settings
@@ -74,16 +74,26 @@ def specgate_method(vllm_config: dict[str, Any]) -> Method:
     return registered.name if registered is not None else "draft"
 
 
-def served_artefacts(vllm_config: dict[str, Any] | None) -> tuple[dict[str, str | None], ...]:
-    """The artefact a speculative server loads (its ``model``), by the kind the method's
-    registration gives it; vLLM reports no version of it."""
+def served_artefacts(vllm_config: Mapping[str, Any] | None) -> tuple[dict[str, str | None], ...]:
+    """The versioned artefact a speculative server loads besides the target (its config's
+    ``model``: a draft model, heads), by the kind the method's registration gives it, versioned
+    by the ``specgate models hash`` manifest beside its weights; empty for n-gram.
+
+    The gateway cannot hash weights on the server, so it reads the manifest at the path the
+    server was given: that directory must be visible to the gateway (a shared volume), as the
+    target's ``model_dir`` is. Without a manifest the gateway refuses to start, since records
+    naming an unversioned draft could not show what produced an answer."""
     model = vllm_config.get("model") if vllm_config else None
     if not model:
         return ()
     assert vllm_config is not None
-    registered = methods.spec(specgate_method(vllm_config))
+    registered = methods.spec(specgate_method(dict(vllm_config)))
     kind = registered.artefact.kind if registered.artefact is not None else "draft_model"
-    return ({"kind": kind, "name": str(model), "version": None},)
+    try:
+        version = read_manifest(Path(str(model)))
+    except ValueError as error:
+        raise ConfigError(f"backend.vllm_servers speculative_config.model: {error}") from None
+    return ({"kind": kind, "name": Path(str(model)).name, "version": version},)
 
 
 class _StatusError(Exception):
@@ -383,7 +393,6 @@ class VllmBackend:
     def submit(self, request: GenerationRequest) -> DeltaChannel:
         if self._closed:
             raise BackendUnavailableError("the vLLM backend is shut down")
-        refuse_unsupported(request)
         pool, fallback = self._route(request)
         holder: dict[str, Any] = {}
 
@@ -392,7 +401,7 @@ class VllmBackend:
             if future is not None:
                 future.cancel()
 
-        handle = DeltaChannel(on_cancel=cancel)
+        handle = DeltaChannel(keep_logprobs=request.sampling.logprobs is not None, on_cancel=cancel)
         holder["future"] = asyncio.run_coroutine_threadsafe(
             self._generate(handle, request, pool, fallback), self._loop
         )
@@ -481,7 +490,7 @@ class VllmBackend:
                 raise _StatusError(response.status_code, _error_message(response))
             try:
                 async for line in response.aiter_lines():
-                    piece = parse_event(line)
+                    piece = parse_event(line, request.sampling.logprobs)
                     if piece is None:
                         continue
                     if piece.usage is not None or piece.speculative is not None:
@@ -491,7 +500,9 @@ class VllmBackend:
                         if first_token_at is None:
                             first_token_at = time.perf_counter()
                         output_tokens += len(piece.token_ids)
-                        handle.put(StreamDelta(piece.text, piece.token_ids))
+                        handle.put(
+                            StreamDelta(piece.text, piece.token_ids, logprobs=piece.logprobs)
+                        )
                     finish = piece.finish_reason or finish
             except httpx.TransportError as error:
                 raise _MidStreamError(
@@ -502,7 +513,8 @@ class VllmBackend:
         stats = await self._stats(request, replica, output_tokens, per_request, fallback)
         stats.time_to_first_token_s = (first_token_at or time.perf_counter()) - started
         stats.total_time_s = time.perf_counter() - started
-        handle.put(StreamDelta("", (), finish, stats))
+        asked = request.sampling.logprobs is not None
+        handle.put(StreamDelta("", (), finish, stats, () if asked else None))
 
     async def _stats(
         self,
@@ -588,4 +600,3 @@ def load_vllm_backend(
     settings: Settings, on_fallback: Callable[[FallbackEvent], None]
 ) -> VllmBackend:
     return VllmBackend.load(settings, on_fallback)
-

@@ -4,6 +4,12 @@ The gateway renders and tokenizes itself (through the server's ``/tokenize``), s
 generation is sent to ``/v1/completions`` as token ids, streamed, with the token ids of each
 piece returned (``return_token_ids``) and the usage chunk at the end, where vLLM puts its
 per-request speculative figures when it was started with ``--per-request-spec-decode-metrics``.
+
+Log-probabilities come back in the legacy completions shape (``tokens``, ``token_logprobs``,
+``top_logprobs`` as a text-to-logprob map holding the chosen token besides the top ones); they
+are turned into the ``TokenLogprob`` entries the built-in engine gives, so the gateway answers
+both in the same chat and completions schema. The values are vLLM's own, as its
+``--logprobs-mode`` makes them (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.types import Constraint, FinishReason, GenerationRequest, InvalidRequestError
+from engine.types import Constraint, FinishReason, GenerationRequest, TokenLogprob
 
 # vLLM's Prometheus counters of speculative decoding (the ``_total`` suffix is the
 # exposition format's; ``_per_pos`` carries a ``position`` label).
@@ -40,6 +46,8 @@ def completion_body(model: str, request: GenerationRequest) -> dict[str, Any]:
         "return_token_ids": True,
         "ignore_eos": sampling.ignore_eos,
     }
+    if sampling.logprobs is not None:
+        body["logprobs"] = sampling.logprobs
     if sampling.seed is not None:
         body["seed"] = sampling.seed
     if sampling.stop:
@@ -50,15 +58,6 @@ def completion_body(model: str, request: GenerationRequest) -> dict[str, Any]:
         body["request_id"] = request.request_id
     body.update(_processors(request))
     return body
-
-
-def refuse_unsupported(request: GenerationRequest) -> None:
-    """Log-probabilities are refused (400): the stream parser does not carry them yet, and an
-    answer silently without them would be wrong."""
-    if request.sampling.logprobs is not None:
-        raise InvalidRequestError(
-            "logprobs are not available through the vLLM backend yet", param="logprobs"
-        )
 
 
 def _processors(request: GenerationRequest) -> dict[str, Any]:
@@ -101,14 +100,16 @@ class Piece:
     finish_reason: FinishReason | None = None
     usage: dict[str, Any] | None = None
     speculative: dict[str, Any] | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class WireError(Exception):
     """The server answered something that is not a completion stream."""
 
 
-def parse_event(line: str) -> Piece | None:
-    """A ``data: ...`` line of the stream as a Piece; None for ``[DONE]`` and blank lines."""
+def parse_event(line: str, top_logprobs: int | None = None) -> Piece | None:
+    """A ``data: ...`` line of the stream as a Piece; None for ``[DONE]`` and blank lines.
+    ``top_logprobs``: how many alternatives the request asked for (None: no logprobs)."""
     if not line.startswith("data:"):
         return None
     data = line[5:].strip()
@@ -128,11 +129,49 @@ def parse_event(line: str) -> Piece | None:
     finish = choice.get("finish_reason")
     if finish not in (None, "stop", "length"):
         raise WireError(f"unexpected finish_reason {finish!r}")
+    token_ids = tuple(choice.get("token_ids") or ())
+    logprobs = None
+    if top_logprobs is not None:
+        logprobs = token_logprobs(choice.get("logprobs"), token_ids, top_logprobs)
     return Piece(
         text=choice.get("text") or "",
-        token_ids=tuple(choice.get("token_ids") or ()),
+        token_ids=token_ids,
         finish_reason=finish,
+        logprobs=logprobs,
     )
+
+
+def token_logprobs(
+    wire: dict[str, Any] | None, token_ids: tuple[int, ...], top: int
+) -> tuple[TokenLogprob, ...]:
+    """One chunk's legacy-shape logprobs as entries, one per token id, with the ``top`` most
+    likely alternatives each (vLLM's map also holds the chosen token when it is not among
+    them; OpenAI's chat shape lists exactly ``top``). ``bytes`` are the UTF-8 of vLLM's
+    decoded token, as vLLM's own chat endpoint gives them."""
+    if wire is None:
+        if token_ids:
+            raise WireError("logprobs were asked for and the chunk has none")
+        return ()
+    tokens = wire.get("tokens") or []
+    values = wire.get("token_logprobs") or []
+    tops = wire.get("top_logprobs") or [None] * len(tokens)
+    if not len(tokens) == len(values) == len(tops) == len(token_ids):
+        raise WireError(
+            f"logprobs for {len(tokens)} tokens in a chunk of {len(token_ids)} token ids"
+        )
+    entries = []
+    for token_id, text, value, alternatives in zip(token_ids, tokens, values, tops, strict=True):
+        ranked = sorted((alternatives or {}).items(), key=lambda item: -item[1])[:top]
+        entries.append(
+            TokenLogprob(
+                int(token_id),
+                text,
+                tuple(text.encode("utf-8", errors="replace")),
+                float(value),
+                tuple((t, tuple(t.encode("utf-8", errors="replace")), float(v)) for t, v in ranked),
+            )
+        )
+    return tuple(entries)
 
 
 def spec_counters(exposition: str) -> dict[str, float]:
