@@ -69,7 +69,7 @@ class BatchedRunner:
             mask[b, 0, n:, start] = True  # padding rows: see row 0, never read
         write = torch.tensor(starts)[:, None] + torch.arange(rows)[None, :]
         self.cache.batch = SlotBatch(
-            [feed.slot for feed in feeds], write.to(self.device), kv_length
+            [feed.slot for feed in feeds], write.to(self.device), kv_length, starts
         )
         attention = mask.to(self.device)
         if not self._bool_mask:

@@ -128,6 +128,14 @@ class EngineConfig(BaseModel):
         description="Rows per step: the decoding sequences' rows plus prompt chunks prefilled "
         "beside them (vLLM's name); a longer prompt is prefilled over several steps.",
     )
+    long_prefill_token_threshold: int = Field(
+        default=128,
+        ge=1,
+        description="Most prompt tokens one request prefills per step (vLLM's name): a long "
+        "prompt is cut into chunks of this size, and a chunk that does not finish its prompt "
+        "runs after the step's decode pass, so a short request arriving behind it waits at "
+        "most one such chunk for its first token.",
+    )
     max_kv_tokens: int | None = Field(
         default=None,
         ge=1,

@@ -3,14 +3,17 @@
 Each iteration of ``BatchScheduler.run``:
 1. admits waiting requests while there is a free slot (``max_num_seqs``) and the KV budget
    holds the padded cache (every slot is as long as the longest: slots x longest reservation);
-2. prefills prompts in chunks, within what the step's token budget (``max_num_batched_tokens``)
-   leaves after the decoding sequences' rows, the shortest remainder first, so a long prompt
-   delays the others' next step by one chunk, never by its whole length;
+2. prefills the prompts that this step finishes, the shortest remainder first, within what
+   the step's token budget (``max_num_batched_tokens``) leaves after the decoding sequences'
+   rows, one chunk of at most ``long_prefill_token_threshold`` tokens per prompt;
 3. runs one decode step over every sequence whose prompt is cached: each brings its own
    proposal, sized by its own adaptive k against the pass costs at this batch size
    (``BatchCosts``), so speculation shrinks as the batch grows and stops where it no
    longer pays;
-4. streams each sequence's new tokens and retires the finished, cancelled ones, moving the
+4. spends what is left of the budget on chunks that do not finish their prompt, after the
+   decode pass: a short request arriving behind a long prompt waits for the chunk in flight,
+   its own prefill and one decode pass, never for more of the long prompt;
+5. streams each sequence's new tokens and retires the finished, cancelled ones, moving the
    last slot into the freed one so the running slots stay contiguous.
 
 Prefill chunks run as passes of their own: in the padded layout a chunk of hundreds of rows
@@ -119,6 +122,7 @@ class BatchLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_kv_tokens: int | None  # padded positions over all slots; None: max_num_seqs x context
+    long_prefill_token_threshold: int  # most prompt tokens one sequence prefills per step
 
 
 class BatchScheduler:
@@ -147,8 +151,9 @@ class BatchScheduler:
                 stopping = not self._take(requests, block=not (self.running or self.waiting))
             self._admit_waiting()
             try:
-                self._prefill()
+                budget = self._prefill(self._prefill_budget(), finishing=True)
                 self._decode()
+                self._prefill(budget, finishing=False)
             except Exception as exc:  # delivered to every running caller; the worker lives on
                 for seq in self.running:
                     seq.handle.put(exc)
@@ -200,24 +205,32 @@ class BatchScheduler:
             seq.span.set_attribute("specgate.prompt_tokens", len(seq.context))
             self.running.append(seq)
 
-    def _prefill(self) -> None:
-        """Prompt chunks within the step's budget, the prompt with the least left first: a
-        short request arriving behind a long prompt gets its first token after one step."""
+    def _prefill_budget(self) -> int:
         decoding = sum(1 for seq in self.running if seq.decoding and not seq.done)
-        budget = max(self.limits.max_num_batched_tokens - decoding, 1)
+        return max(self.limits.max_num_batched_tokens - decoding, 1)
+
+    def _prefill(self, budget: int, finishing: bool) -> int:
+        """Prompt chunks within ``budget``, the prompt with the least left first; with
+        ``finishing`` only chunks that finish their prompt (those run before the decode pass).
+        Returns the budget left."""
         pending = sorted(self.running, key=lambda seq: seq.prefill_target - seq.prefilled)
         for seq in pending:
             if budget <= 0:
-                return
+                break
             if seq.decoding or seq.done:
                 continue
             if seq.handle.cancelled:
                 seq.done = True
                 continue
-            end = min(seq.prefill_target, seq.prefilled + budget)
+            left = seq.prefill_target - seq.prefilled
+            chunk = min(left, budget, self.limits.long_prefill_token_threshold)
+            if finishing and chunk < left:
+                break  # every prompt after this one has at least as much left
+            end = seq.prefilled + chunk
             self.runner.forward([Feed(seq.slot, seq.context[seq.prefilled : end])], last_only=True)
-            budget -= end - seq.prefilled
+            budget -= chunk
             seq.prefilled = end
+        return budget
 
     def _start_decoding(self, seq: ActiveSequence) -> None:
         seq.started_decoding = True

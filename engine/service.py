@@ -474,6 +474,7 @@ class Engine:
                 self.config.max_num_seqs,
                 self.config.max_num_batched_tokens,
                 self.config.max_kv_tokens,
+                self.config.long_prefill_token_threshold,
             )
             self._scheduler = BatchScheduler(
                 self._batched, limits, self._costs, self._admit, self._finish

@@ -41,6 +41,10 @@ def serve(
         int | None,
         typer.Option(help="Rows per batched step, prompt chunks included (vLLM's name)."),
     ] = None,
+    long_prefill_token_threshold: Annotated[
+        int | None,
+        typer.Option(help="Most prompt tokens one request prefills per step (vLLM's name)."),
+    ] = None,
     database_url: Annotated[
         str | None,
         typer.Option(help="sqlite:///PATH or postgresql://... (default: SQLite in the data dir)."),
@@ -99,6 +103,7 @@ def serve(
             dtype=dtype,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
             database_url=database_url,
             migrate=migrate,
             host=host,

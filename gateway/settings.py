@@ -152,6 +152,9 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(
         default=512, ge=16, description="Rows per batched step, prompt chunks included."
     )
+    long_prefill_token_threshold: int = Field(
+        default=128, ge=1, description="Most prompt tokens one request prefills per step."
+    )
     max_kv_tokens: int | None = Field(
         default=None, ge=1, description="KV budget in cached positions over all batch slots."
     )
@@ -504,6 +507,7 @@ def engine_config(settings: Settings) -> EngineConfig:
             max_queue=settings.max_queue,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
+            long_prefill_token_threshold=settings.long_prefill_token_threshold,
             max_kv_tokens=settings.max_kv_tokens,
             cpu_threads=settings.cpu_threads,
             served_model_name=settings.served_model_name

@@ -54,7 +54,8 @@ def engine(models: tuple[Path, Path]) -> Iterator[Engine]:
         dtype="float32",
         speculative=NO_FALLBACK,
         max_num_seqs=4,
-        max_num_batched_tokens=16,  # long prompts prefill in several chunks beside decoding
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=16,  # long prompts prefill in several chunks
     )
     eng = Engine.load(config)
     assert eng.batching
@@ -164,6 +165,37 @@ def test_a_short_request_is_not_stuck_behind_a_long_prompt(engine: Engine) -> No
     short = engine.submit(short_request)
     short_result, long_result = short.result(), long.result()
     assert short_result.stats.total_time_s < long_result.stats.time_to_first_token_s
+    assert short_result.token_ids == engine.generate(short_request).token_ids
+
+
+def test_a_short_request_decodes_before_the_long_prompt_prefill_goes_on(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt the step budget could finish at once is still cut into chunks, and a chunk
+    that does not finish its prompt waits for the decode pass: the short request behind it
+    gets its first token while the long prompt is still being prefilled."""
+    runner = engine._batched
+    assert runner is not None
+    passes: list[tuple[bool, list[int]]] = []  # (prefill chunk, the feeds' lengths)
+    forward = runner.forward
+
+    def spy(feeds: list[Feed], last_only: bool = False) -> list[torch.Tensor]:
+        passes.append((last_only, [len(feed.tokens) for feed in feeds]))
+        return forward(feeds, last_only)
+
+    monkeypatch.setattr(runner, "forward", spy)
+    long_prompt = [3 + i % 300 for i in range(50)]  # fits the 64-row budget of one step
+    long = engine.submit(make_request(long_prompt, "none", None, 2, temperature=0.0))
+    short_request = make_request([5, 6, 7], "none", None, 2, temperature=0.0)
+    short = engine.submit(short_request)
+    short_result, long_result = short.result(), long.result()
+    short_first = short.submitted_at + short_result.stats.time_to_first_token_s
+    long_first = long.submitted_at + long_result.stats.time_to_first_token_s
+    assert short_first < long_first
+    chunks = [lengths[0] for prefill, lengths in passes if prefill]
+    assert max(chunks) <= 16 and sum(chunks) == len(long_prompt) - 1 + 2
+    after_short = passes.index((True, [2])) + 1
+    assert passes[after_short][0] is False  # the decode pass, before any more of the long one
     assert short_result.token_ids == engine.generate(short_request).token_ids
 
 
