@@ -7,9 +7,9 @@ Each iteration of ``BatchScheduler.run``:
    the step's token budget (``max_num_batched_tokens``) leaves after the decoding sequences'
    rows, one chunk of at most ``long_prefill_token_threshold`` tokens per prompt;
 3. runs one decode step over every sequence whose prompt is cached: each brings its own
-   proposal, sized by its own adaptive k against the pass costs at this batch size
-   (``BatchCosts``), so speculation shrinks as the batch grows and stops where it no
-   longer pays;
+   proposal, its length chosen for the batch from every sequence's acceptance and the
+   measured step costs at this batch size (``engine.batch_speculation``), so speculation
+   shrinks as the batch grows and stops where it no longer pays;
 4. spends what is left of the budget on chunks that do not finish their prompt, after the
    decode pass: a short request arriving behind a long prompt waits for the chunk in flight,
    its own prefill and one decode pass, never for more of the long prompt;
@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 from opentelemetry import trace
 
-from engine.adaptive import PassCosts, expected_tokens
+from engine.adaptive import PassCosts
+from engine.batch_speculation import BatchSpeculation, Sequence, StepCosts
 from engine.batched_runner import BatchedRunner, Feed
 from engine.decoding import Speculation
 from engine.logits_processors import LogitsProcessing
@@ -46,45 +47,6 @@ if TYPE_CHECKING:
     from engine.service import RequestHandle
 
 _tracer = trace.get_tracer("specgate.engine")
-
-
-class BatchCosts(PassCosts):
-    """The engine's pass costs seen by one sequence in a batch of ``batch``: a pass where each
-    sequence feeds ``tokens`` rows costs what a pass of ``batch * tokens`` rows costs (the
-    target's work grows with the rows fed; on a memory-bound device it stays flat until the
-    weights stop dominating, on two CPU cores it grows almost at once)."""
-
-    def __init__(self, costs: PassCosts, batch: int) -> None:
-        super().__init__()
-        self.costs = costs
-        self.batch = batch
-
-    def target(self, tokens: int) -> float | None:
-        return self.costs.target(self.batch * tokens)
-
-    def proposer(self, method: str) -> float:
-        return self.costs.proposer(method)
-
-    def record_target(self, tokens: int, seconds: float) -> None:
-        self.costs.record_target(self.batch * tokens, seconds)
-
-    def record_proposer(self, method: str, seconds: float) -> None:
-        self.costs.record_proposer(method, seconds)
-
-
-def best_length(alpha: float, costs: PassCosts, method: str, max_k: int) -> int:
-    """The k that maximises tokens per second at a steady acceptance ``alpha`` (0: plain)."""
-    plain = costs.target(1)
-    if not plain:
-        return max_k
-    best_k, best_rate = 0, 1.0 / plain
-    for k in range(1, max_k + 1):
-        rate = expected_tokens(alpha, k) / (
-            k * costs.proposer(method) + (costs.target(k + 1) or plain)
-        )
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
 
 
 @dataclass
@@ -131,12 +93,15 @@ class BatchScheduler:
         runner: BatchedRunner,
         limits: BatchLimits,
         costs: PassCosts,
+        steps: StepCosts,
         admit: Callable[[RequestHandle], ActiveSequence | None],
         finish: Callable[[ActiveSequence], None],
     ) -> None:
         self.runner = runner
         self.limits = limits
         self.costs = costs
+        self.steps = steps
+        self.lengths = BatchSpeculation(steps)
         self._admit = admit
         self._finish = finish
         self.running: list[ActiveSequence] = []
@@ -249,26 +214,31 @@ class BatchScheduler:
         if not active:
             return
         self.last_batch_size = len(active)
-        batch_costs = BatchCosts(self.costs, len(active))
-        rows = []
         for seq in active:
             if not seq.started_decoding:
                 self._start_decoding(seq)
-            rows.append(
-                StepRow(
-                    seq.slot,
-                    seq.context,
-                    self._propose(seq, batch_costs),
-                    seq.handle.request.sampling,
-                    seq.generator,
-                    seq.processing,
-                    None if seq.recorder is None else seq.recorder.observe,
-                )
+        lengths = self.lengths.lengths(
+            [
+                Sequence(seq.speculation, seq.stats.num_target_passes, seq.remaining)
+                for seq in active
+            ]
+        )
+        rows = [
+            StepRow(
+                seq.slot,
+                seq.context,
+                self._propose(seq, k),
+                seq.handle.request.sampling,
+                seq.generator,
+                seq.processing,
+                None if seq.recorder is None else seq.recorder.observe,
             )
+            for seq, k in zip(active, lengths, strict=True)
+        ]
         width = max(len(row.proposal.tokens) for row in rows) + 1
         started = time.perf_counter()
         verdicts = run_step(self.runner, rows)
-        batch_costs.record_target(width, time.perf_counter() - started)
+        self.steps.record(len(active), width, time.perf_counter() - started)
         for seq, row, verdict in zip(active, rows, verdicts, strict=True):
             proposal = row.proposal
             new_tokens = [*(proposal.tokens[i] for i in verdict.path), verdict.next_token]
@@ -282,13 +252,9 @@ class BatchScheduler:
             seq.remaining -= len(new_tokens)
             self._deliver(seq, new_tokens)
 
-    def _propose(self, seq: ActiveSequence, costs: BatchCosts) -> Proposal:
+    def _propose(self, seq: ActiveSequence, k: int) -> Proposal:
         speculation = seq.speculation
-        if speculation is None:
-            return Proposal([])
-        speculation.length.costs = costs
-        k = min(speculation.next_k(seq.stats.num_target_passes), seq.remaining - 1)
-        if k <= 0:
+        if speculation is None or k <= 0:
             return Proposal([])
         started = time.perf_counter()
         proposal = speculation.proposer.propose(

@@ -24,6 +24,7 @@ from opentelemetry import trace
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.adaptive import FallbackMonitor, PassCosts, RunLengths, SpeculationLength
+from engine.batch_speculation import StepCosts, crossover
 from engine.batched_cache import supports_batching
 from engine.batched_runner import BatchedRunner
 from engine.compat import continues_exactly
@@ -48,14 +49,7 @@ from engine.proposers import DraftModelProposer, NgramProposer, Proposer
 from engine.proposers.medusa import DEFAULT_MEDUSA_TREE, MedusaProposer
 from engine.proposers.translating import TranslatingDraftProposer
 from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
-from engine.scheduler import (
-    ActiveSequence,
-    BatchCosts,
-    BatchLimits,
-    BatchScheduler,
-    annotate,
-    best_length,
-)
+from engine.scheduler import ActiveSequence, BatchLimits, BatchScheduler, annotate
 from engine.types import (
     MAX_TOP_LOGPROBS,
     EngineClosedError,
@@ -265,9 +259,7 @@ class Engine:
         if heads is not None:
             medusa_heads = heads
             tree = spec.medusa_tree
-            medusa_tree = (
-                tuple(tuple(p) for p in tree) if tree is not None else DEFAULT_MEDUSA_TREE
-            )
+            medusa_tree = tuple(tuple(p) for p in tree) if tree is not None else DEFAULT_MEDUSA_TREE
             self._new_proposer["medusa"] = lambda: MedusaProposer(
                 medusa_heads, medusa_tree, trees_allowed=self._target.supports_trees
             )
@@ -295,6 +287,7 @@ class Engine:
         self._listener = on_fallback
         self._load_shedding = False
         self._costs = PassCosts()
+        self._step_costs = StepCosts(self._costs)
         self._monitor = FallbackMonitor(
             self.model_name,
             {method: spec.acceptance_threshold_for(method) for method in self._proposers},
@@ -382,24 +375,21 @@ class Engine:
         return f"one request at a time ({self._batching_blocked_by})"
 
     def speculation_crossover(self, method: Method) -> float:
-        """The smallest batch size at which a sequence at the method's current acceptance
-        gets k = 0 from the pass costs measured at that batch size; inf where speculating
-        pays up to ``max_num_seqs``."""
+        """The smallest batch size at which a batch of new requests with the method chooses
+        plain steps (k = 0) from the measured step costs and the method's current acceptance
+        (``engine.batch_speculation.crossover``, the same choice every step makes); inf where
+        speculating pays up to ``max_num_seqs``; 0 for a method that is not loaded."""
         if method not in self._proposers:
             return 0.0
-        alpha = self._monitor.prior(method)
-        for batch in range(1, self.config.max_num_seqs + 1):
-            if (
-                best_length(
-                    alpha,
-                    BatchCosts(self._costs, batch),
-                    method,
-                    self.speculative_config.max_speculative_tokens,
-                )
-                == 0
-            ):
-                return float(batch)
-        return float("inf")
+        spec = self.speculative_config
+        fresh = SpeculationLength(
+            spec.max_speculative_tokens,
+            self._monitor.prior(method),
+            self._costs,
+            method,
+            self._run_lengths[method],
+        )
+        return crossover(self._step_costs, fresh, self.config.max_num_seqs)
 
     def fallback_state(self) -> dict[Method, bool]:
         """Per method: whether the engine has stopped proposing with it, switched off by
@@ -477,7 +467,7 @@ class Engine:
                 self.config.long_prefill_token_threshold,
             )
             self._scheduler = BatchScheduler(
-                self._batched, limits, self._costs, self._admit, self._finish
+                self._batched, limits, self._costs, self._step_costs, self._admit, self._finish
             )
             self._scheduler.run(self._queue)
             return
@@ -640,9 +630,7 @@ class Engine:
                     )
                     break
                 if piece.token_ids or piece.text:
-                    handle.put(
-                        StreamDelta(piece.text, tuple(piece.token_ids), logprobs=logprobs)
-                    )
+                    handle.put(StreamDelta(piece.text, tuple(piece.token_ids), logprobs=logprobs))
             steps.close()
             annotate(span, stats)
         self._record(plan.speculation, stats)

@@ -19,7 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
+from engine.adaptive import PassCosts, RunLengths, SpeculationLength
+from engine.batch_speculation import BatchSpeculation, Sequence, StepCosts, crossover
 from engine.batched_runner import BatchedRunner, Feed
+from engine.decoding import Speculation
+from engine.proposers import NgramProposer
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.model_runner import ModelRunner
 from engine.service import Engine
@@ -229,3 +233,75 @@ def test_sampling_stays_exact_per_sequence_in_a_shared_batch(engine: Engine) -> 
             handle.result()
     exact = exact_pair_distribution(engine, prompt, params)
     assert chi_square_p_value(counts, exact) > SIGNIFICANCE
+
+
+def cpu_like_costs(per_row: float = 0.004, fixed: float = 0.02) -> PassCosts:
+    """A pass whose cost grows with every row fed, as on two CPU cores."""
+    costs = PassCosts()
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+        costs.record_target(rows, fixed + per_row * rows)
+    costs.record_proposer("ngram", 0.0)
+    return costs
+
+
+def adaptive(
+    costs: PassCosts, accepted: tuple[int, ...], proposed: int = 4, fixed_k: int | None = None
+) -> Speculation:
+    """An n-gram request whose steps of ``proposed`` tokens accepted ``accepted``, in turn."""
+    length = SpeculationLength(8, 0.5, costs, "ngram", RunLengths(8))
+    for _ in range(10):
+        for count in accepted:
+            length.record(proposed, count)
+    return Speculation(NgramProposer(1, 3), fixed_k, length)
+
+
+def test_speculation_shrinks_with_the_batch_and_stops_at_a_measured_crossover() -> None:
+    costs = cpu_like_costs()
+    steps = StepCosts(costs)
+    chooser = BatchSpeculation(steps)
+    half = Sequence(adaptive(costs, (0, 2)), 0, 100)  # half the steps accept two, half none
+    ks = [chooser.lengths([half] * batch)[0] for batch in (1, 4, 16)]
+    assert ks[0] >= ks[1] >= ks[2] == 0 < ks[0]
+    fresh = half.speculation.length  # type: ignore[union-attr]
+    found = crossover(steps, fresh, 16)
+    assert 1 < found <= 16
+    assert chooser.lengths([half] * int(found))[0] == 0
+    assert chooser.lengths([half] * (int(found) - 1))[0] > 0
+    # Free passes (memory-bound): speculation pays at every batch size.
+    assert crossover(StepCosts(cpu_like_costs(per_row=0.0)), fresh, 16) == float("inf")
+
+
+def test_one_speculating_sequence_pays_for_the_padding_of_the_others() -> None:
+    costs = cpu_like_costs()
+    chooser = BatchSpeculation(StepCosts(costs))
+    good = Sequence(adaptive(costs, (0, 4)), 0, 100)
+    alone = chooser.lengths([good])[0]
+    assert alone > 0
+    # Beside seven plain requests its proposal widens all eight rows of the pass.
+    beside = chooser.lengths([good, *[Sequence(None, 0, 100)] * 7])
+    assert beside[0] < alone and beside[1:] == [0] * 7
+
+
+def test_a_fixed_k_is_proposed_whole_and_a_plain_batch_probes_rarely() -> None:
+    costs = cpu_like_costs()
+    chooser = BatchSpeculation(StepCosts(costs))
+    poor = [Sequence(adaptive(costs, (0,)), 0, 100) for _ in range(4)]
+    pinned = Sequence(adaptive(costs, (0,), fixed_k=3), 0, 100)
+    assert chooser.lengths([*poor, pinned])[-1] == 3
+    chooser.plain_run = 0
+    rounds = [chooser.lengths(poor) for _ in range(3 * 4 * chooser.PROBE_AFTER_PLAIN_STEPS)]
+    probes = [ks for ks in rounds if any(ks)]
+    assert probes and all(ks == [1, 1, 1, 1] for ks in probes)
+    assert len(probes) <= 3  # once per PROBE_AFTER_PLAIN_STEPS plain steps per sequence
+    assert poor[0].speculation is not None
+    assert poor[0].speculation.length.plain_steps == len(rounds) - len(probes)
+
+
+def test_step_costs_keep_the_calibrated_shape_at_the_measured_level() -> None:
+    costs = cpu_like_costs()
+    steps = StepCosts(costs)
+    assert steps.seconds(4, 2) == costs.target(8)
+    steps.record(4, 1, 2 * (costs.target(4) or 0.0))  # batched steps cost twice the stand-in
+    assert steps.seconds(4, 1) == pytest.approx(2 * (costs.target(4) or 0.0))
+    assert steps.seconds(4, 3) == pytest.approx(2 * (costs.target(12) or 0.0))
+    assert steps.seconds(2, 3) == costs.target(6)  # other batch sizes are not moved
