@@ -69,6 +69,22 @@ class ActiveSequence:
     done: bool = False
     span: trace.Span | None = None
     started_decoding: bool = field(default=False)
+    # The target's last hidden states of the prompt's cached positions, chunk by chunk, for
+    # a proposer that drafts from them (``wants_hidden``); None for the others.
+    prompt_hidden: list[torch.Tensor] | None = None
+
+    @property
+    def wants_hidden(self) -> bool:
+        return self.hidden_observer is not None
+
+    @property
+    def hidden_observer(self) -> Callable[[torch.Tensor], None] | None:
+        """The proposer's ``observe_hidden`` where it drafts from the target's hidden states."""
+        proposer = self.speculation.proposer if self.speculation is not None else None
+        if proposer is None or not getattr(proposer, "wants_hidden", False):
+            return None
+        observe: Callable[[torch.Tensor], None] = proposer.observe_hidden  # type: ignore[attr-defined]
+        return observe
 
     @property
     def prefill_target(self) -> int:
@@ -192,7 +208,12 @@ class BatchScheduler:
             if finishing and chunk < left:
                 break  # every prompt after this one has at least as much left
             end = seq.prefilled + chunk
-            self.runner.forward([Feed(seq.slot, seq.context[seq.prefilled : end])], last_only=True)
+            feed = Feed(seq.slot, seq.context[seq.prefilled : end])
+            if seq.wants_hidden:
+                hidden = self.runner.forward_hidden([feed])[1][0]
+                seq.prompt_hidden = [*(seq.prompt_hidden or []), hidden]
+            else:
+                self.runner.forward([feed], last_only=True)
             budget -= chunk
             seq.prefilled = end
         return budget
@@ -204,6 +225,10 @@ class BatchScheduler:
         seq.span = _tracer.start_span("specgate.decode", context=seq.handle.otel_context)
         if seq.speculation is not None:
             seq.speculation.proposer.start(list(seq.context))
+            observe = seq.hidden_observer
+            if observe is not None and seq.prompt_hidden:  # as the one-request loop does
+                observe(torch.cat(seq.prompt_hidden))
+            seq.prompt_hidden = None
 
     def _decode(self) -> None:
         active = [seq for seq in self.running if seq.decoding and not seq.done]
@@ -232,6 +257,7 @@ class BatchScheduler:
                 seq.generator,
                 seq.processing,
                 None if seq.recorder is None else seq.recorder.observe,
+                seq.hidden_observer,
             )
             for seq, k in zip(active, lengths, strict=True)
         ]

@@ -269,15 +269,12 @@ class Engine:
             method: make() for method, make in self._new_proposer.items()
         }
         # Continuous batching where every attention layer is plain full attention; other
-        # models (sliding-window, chunked, recurrent layers) are served one request at a time,
-        # and so are Medusa heads, which need hidden states the batched runner does not return.
+        # models (sliding-window, chunked, recurrent layers) are served one request at a time.
         self._batching_blocked_by = (
             None
             if supports_batching(target.config)
             else "sliding-window, chunked or recurrent layers"
         )
-        if self._batching_blocked_by is None and heads is not None:
-            self._batching_blocked_by = "Medusa heads need hidden states per pass"
         self.batching = self._batching_blocked_by is None
         self._batched = BatchedRunner(target, config.max_num_seqs) if self.batching else None
         self.available_methods: tuple[Method, ...] = ("none", *self._proposers)

@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM
 from engine.adaptive import PassCosts, RunLengths, SpeculationLength
 from engine.batch_speculation import BatchSpeculation, Sequence, StepCosts, crossover
 from engine.batched_runner import BatchedRunner, Feed
-from engine.decoding import Speculation
-from engine.proposers import NgramProposer
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.decoding import Speculation
 from engine.model_runner import ModelRunner
+from engine.proposers import NgramProposer
 from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from tests.test_engine_sampling import (
