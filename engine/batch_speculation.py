@@ -47,12 +47,22 @@ class StepCosts:
             self._steps.setdefault((batch, width), Ewma(self.WEIGHT)).update(seconds)
 
     def seconds(self, batch: int, width: int) -> float | None:
+        """The step's cost, never below a narrower measured step's: a wider pass does all
+        of a narrower one's work and more, so a lower figure is noise on a shared machine
+        (it would make speculating look cheaper than plain decoding)."""
         with self._lock:
             measured = {
                 w: e.value
                 for (b, w), e in self._steps.items()
                 if b == batch and e.value is not None
             }
+        estimate = self._estimate(batch, width, measured)
+        narrower = [measured[w] for w in measured if w < width]
+        if estimate is None or not narrower:
+            return estimate
+        return max(estimate, *narrower)
+
+    def _estimate(self, batch: int, width: int, measured: dict[int, float]) -> float | None:
         if width in measured:
             return measured[width]
         stand_in = self.costs.target(batch * width)

@@ -305,3 +305,5 @@ def test_step_costs_keep_the_calibrated_shape_at_the_measured_level() -> None:
     assert steps.seconds(4, 1) == pytest.approx(2 * (costs.target(4) or 0.0))
     assert steps.seconds(4, 3) == pytest.approx(2 * (costs.target(12) or 0.0))
     assert steps.seconds(2, 3) == costs.target(6)  # other batch sizes are not moved
+    steps.record(4, 2, 0.001)  # a wider step measured cheaper than a narrower one: noise
+    assert steps.seconds(4, 2) == steps.seconds(4, 1)
