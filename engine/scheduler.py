@@ -40,6 +40,7 @@ from engine.logits_processors import LogitsProcessing
 from engine.logprobs import LogprobRecorder
 from engine.output import OutputAssembler
 from engine.proposers.base import Proposal
+from engine.proposers.batched_draft import BatchedDraft, BatchedDraftProposer, DraftRequest
 from engine.step import StepRow, run_step
 from engine.types import GenerationStats, Method, StreamDelta
 
@@ -248,18 +249,19 @@ class BatchScheduler:
                 for seq in active
             ]
         )
+        proposals = self._propose_all(active, lengths)
         rows = [
             StepRow(
                 seq.slot,
                 seq.context,
-                self._propose(seq, k),
+                proposal,
                 seq.handle.request.sampling,
                 seq.generator,
                 seq.processing,
                 None if seq.recorder is None else seq.recorder.observe,
                 seq.hidden_observer,
             )
-            for seq, k in zip(active, lengths, strict=True)
+            for seq, proposal in zip(active, proposals, strict=True)
         ]
         width = max(len(row.proposal.tokens) for row in rows) + 1
         started = time.perf_counter()
@@ -278,24 +280,51 @@ class BatchScheduler:
             seq.remaining -= len(new_tokens)
             self._deliver(seq, new_tokens)
 
-    def _propose(self, seq: ActiveSequence, k: int) -> Proposal:
-        speculation = seq.speculation
-        if speculation is None or k <= 0:
-            return Proposal([])
-        started = time.perf_counter()
-        proposal = speculation.proposer.propose(
-            seq.context,
-            k,
-            seq.handle.request.sampling,
-            seq.generator,
-            speculation.min_confidence,
-            seq.processing,
-        )
-        if proposal.tokens:
-            self.costs.record_proposer(
-                speculation.proposer.method, (time.perf_counter() - started) / len(proposal.tokens)
+    def _propose_all(self, active: list[ActiveSequence], lengths: list[int]) -> list[Proposal]:
+        """Each sequence's proposal of its chosen length: the draft model's sequences in
+        shared draft passes (``BatchedDraft``), the others one by one."""
+        proposals = [Proposal([]) for _ in active]
+        shared: dict[int, tuple[BatchedDraft, list[int], list[DraftRequest]]] = {}
+        for index, (seq, k) in enumerate(zip(active, lengths, strict=True)):
+            speculation = seq.speculation
+            if speculation is None or k <= 0:
+                continue
+            proposer = speculation.proposer
+            params = seq.handle.request.sampling
+            if isinstance(proposer, BatchedDraftProposer):
+                drafts = proposer.drafts
+                _, indices, requests = shared.setdefault(id(drafts), (drafts, [], []))
+                indices.append(index)
+                requests.append(
+                    DraftRequest(
+                        proposer,
+                        seq.context,
+                        k,
+                        params,
+                        seq.generator,
+                        speculation.min_confidence,
+                        seq.processing,
+                    )
+                )
+                continue
+            started = time.perf_counter()
+            proposals[index] = proposer.propose(
+                seq.context, k, params, seq.generator, speculation.min_confidence, seq.processing
             )
-        return proposal
+            self._record_proposer(proposer.method, started, [proposals[index]])
+        for drafts, indices, requests in shared.values():
+            started = time.perf_counter()
+            drafted = drafts.propose(requests)
+            for index, proposal in zip(indices, drafted, strict=True):
+                proposals[index] = proposal
+            self._record_proposer("draft", started, drafted)
+        return proposals
+
+    def _record_proposer(self, method: Method, started: float, proposals: list[Proposal]) -> None:
+        """Seconds per proposed token (shared draft passes: per token of every sequence)."""
+        tokens = sum(len(proposal.tokens) for proposal in proposals)
+        if tokens:
+            self.costs.record_proposer(method, (time.perf_counter() - started) / tokens)
 
     def _deliver(self, seq: ActiveSequence, tokens: list[int]) -> None:
         handle, stats = seq.handle, seq.stats
@@ -327,6 +356,10 @@ class BatchScheduler:
     def _close(self, seq: ActiveSequence) -> None:
         seq.done = True
         self.runner.release(seq.slot)
+        if seq.speculation is not None and isinstance(
+            seq.speculation.proposer, BatchedDraftProposer
+        ):
+            seq.speculation.proposer.finish()
         if seq.span is not None:
             if seq.started_decoding:
                 annotate(seq.span, seq.stats)

@@ -46,6 +46,7 @@ from engine.logprobs import LogprobRecorder
 from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
 from engine.proposers import DraftModelProposer, NgramProposer, Proposer
+from engine.proposers.batched_draft import BatchedDraft, BatchedDraftProposer
 from engine.proposers.medusa import DEFAULT_MEDUSA_TREE, MedusaProposer
 from engine.proposers.translating import TranslatingDraftProposer
 from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
@@ -234,6 +235,13 @@ class Engine:
         # False where the target cannot verify several tokens in one pass (engine.compat):
         # then no speculation method is offered.
         self.can_speculate = continues_exactly(self._target, self.vocab_size)
+        # Continuous batching where every attention layer is plain full attention; other
+        # models (sliding-window, chunked, recurrent layers) are served one request at a time.
+        batching = supports_batching(target.config)
+        self._batching_blocked_by = (
+            None if batching else "sliding-window, chunked or recurrent layers"
+        )
+        self._draft_model = draft
         spec = config.speculative
         ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         # One proposer per request: a draft proposer keeps its own draft cache, and requests
@@ -248,6 +256,18 @@ class Engine:
                 target_ids=self.vocab_size,
                 window=context_window(draft.config),
             )
+        elif draft is not None and batching and supports_batching(draft.config):
+            # One draft cache of a slot per running sequence; a step drafts for all of them
+            # in shared passes (engine.proposers.batched_draft).
+            drafts = BatchedDraft(
+                draft,
+                config.max_num_seqs + 1,  # and one for the engine's own proposer below
+                target_ids=self.vocab_size,
+                proposable_ids=min(len(tokenizer), input_rows(draft), self.vocab_size),
+                window=context_window(draft.config),
+                vocabulary=draft_vocabulary,
+            )
+            self._new_proposer["draft"] = lambda: BatchedDraftProposer(drafts)
         elif draft is not None:
             self._new_proposer["draft"] = lambda: DraftModelProposer(
                 ModelRunner(draft),
@@ -268,14 +288,7 @@ class Engine:
         self._proposers: dict[Method, Proposer] = {
             method: make() for method, make in self._new_proposer.items()
         }
-        # Continuous batching where every attention layer is plain full attention; other
-        # models (sliding-window, chunked, recurrent layers) are served one request at a time.
-        self._batching_blocked_by = (
-            None
-            if supports_batching(target.config)
-            else "sliding-window, chunked or recurrent layers"
-        )
-        self.batching = self._batching_blocked_by is None
+        self.batching = batching
         self._batched = BatchedRunner(target, config.max_num_seqs) if self.batching else None
         self.available_methods: tuple[Method, ...] = ("none", *self._proposers)
         self._eos = _eos_ids(target, tokenizer)
@@ -541,11 +554,10 @@ class Engine:
         prefill(self._target, prompt[:32])
         for tokens in sizes:
             self._costs.record_target(tokens, seconds(self._target, prompt[32 : 32 + tokens]))
-        draft = self._proposers.get("draft")
-        if isinstance(draft, DraftModelProposer | TranslatingDraftProposer):
-            prefill(draft.runner, prompt[:32])
-            self._costs.record_proposer("draft", seconds(draft.runner, prompt[-1:]))
-            draft.start([])
+        if "draft" in self._proposers and self._draft_model is not None:
+            runner = ModelRunner(self._draft_model)
+            prefill(runner, prompt[:32])
+            self._costs.record_proposer("draft", seconds(runner, prompt[-1:]))
 
     def _shed_load(self) -> bool:
         """Step down to plain decoding while too many requests wait (vLLM's batch-size rule)."""

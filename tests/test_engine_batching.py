@@ -26,6 +26,7 @@ from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation
 from engine.model_runner import ModelRunner
 from engine.proposers import NgramProposer
+from engine.proposers.batched_draft import BatchedDraftProposer
 from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from tests.test_engine_sampling import (
@@ -201,6 +202,32 @@ def test_a_short_request_decodes_before_the_long_prompt_prefill_goes_on(
     after_short = passes.index((True, [2])) + 1
     assert passes[after_short][0] is False  # the decode pass, before any more of the long one
     assert short_result.token_ids == engine.generate(short_request).token_ids
+
+
+def test_the_draft_drafts_for_every_draft_sequence_in_shared_passes(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prototype = engine._proposers["draft"]
+    assert isinstance(prototype, BatchedDraftProposer)
+    drafts = prototype.drafts
+    feeds_per_pass: list[int] = []
+    forward = drafts.runner.forward
+
+    def spy(feeds: list[Feed], last_only: bool = False) -> list[torch.Tensor]:
+        if not last_only:  # catch-up passes of one sequence's prompt are last_only
+            feeds_per_pass.append(len(feeds))
+        return forward(feeds, last_only)
+
+    built = [make_request([5 + i, 6, 7, 8], "draft", 3, 16, temperature=0.0) for i in range(3)] + [
+        make_request([50, 51, 52], "draft", 2, 16, temperature=0.7, seed=3)
+    ]
+    alone = [engine.generate(request).token_ids for request in built]
+    monkeypatch.setattr(drafts.runner, "forward", spy)
+    handles = [engine.submit(request) for request in built]
+    assert [handle.result().token_ids for handle in handles] == alone
+    assert max(feeds_per_pass) == len(built)  # one pass drafted for all four
+    # Every finished request gave its draft slot back (the engine's own proposer may hold one).
+    assert len(drafts._free) >= drafts.runner.max_slots - 1
 
 
 @pytest.mark.slow
