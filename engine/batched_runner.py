@@ -35,8 +35,13 @@ class Feed:
 
 
 class BatchedRunner:
-    def __init__(self, model: PreTrainedModel, max_slots: int) -> None:
+    """``invariant``: run each feed in a pass of its own, so that a sequence's logits do not
+    depend on what shares the batch (batched kernels reduce in another order than a pass of
+    one, which in bfloat16 can flip a greedy near-tie); slower, since passes are not shared."""
+
+    def __init__(self, model: PreTrainedModel, max_slots: int, invariant: bool = False) -> None:
         self.model = model
+        self.invariant = invariant
         self.device = model.device
         self.max_slots = max_slots
         self.cache = SlotCache(model.config, max_slots)
@@ -55,8 +60,21 @@ class BatchedRunner:
         assert hidden is not None
         return logits, hidden
 
-    @torch.inference_mode()
     def _pass(
+        self, feeds: list[Feed], last_only: bool, want_hidden: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        if not self.invariant or len(feeds) == 1:
+            return self._shared_pass(feeds, last_only, want_hidden)
+        logits: list[torch.Tensor] = []
+        hidden: list[torch.Tensor] = []
+        for feed in feeds:
+            one, states = self._shared_pass([feed], last_only, want_hidden)
+            logits += one
+            hidden += states or []
+        return logits, hidden if want_hidden else None
+
+    @torch.inference_mode()
+    def _shared_pass(
         self, feeds: list[Feed], last_only: bool, want_hidden: bool
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         batch, rows = len(feeds), max(len(feed.tokens) for feed in feeds)

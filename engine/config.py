@@ -136,6 +136,12 @@ class EngineConfig(BaseModel):
         "runs after the step's decode pass, so a short request arriving behind it waits at "
         "most one such chunk for its first token.",
     )
+    batch_invariant: bool = Field(
+        default=False,
+        description="Run each sequence of a batched step in a pass of its own (target and "
+        "draft), so that its logits, and so its greedy output, do not depend on what else is "
+        "in the batch; costs the throughput that shared passes bring.",
+    )
     max_kv_tokens: int | None = Field(
         default=None,
         ge=1,

@@ -102,6 +102,9 @@ class BatchLimits:
     max_num_batched_tokens: int
     max_kv_tokens: int | None  # padded positions over all slots; None: max_num_seqs x context
     long_prefill_token_threshold: int  # most prompt tokens one sequence prefills per step
+    # Prompt chunks at fixed boundaries (multiples of the threshold), never cut to what the
+    # step's budget leaves, so a prompt's prefill passes do not depend on the batch.
+    batch_invariant: bool = False
 
 
 class BatchScheduler:
@@ -196,6 +199,7 @@ class BatchScheduler:
         ``finishing`` only chunks that finish their prompt (those run before the decode pass).
         Returns the budget left."""
         pending = sorted(self.running, key=lambda seq: seq.prefill_target - seq.prefilled)
+        spent = False
         for seq in pending:
             if budget <= 0:
                 break
@@ -206,6 +210,11 @@ class BatchScheduler:
                 continue
             left = seq.prefill_target - seq.prefilled
             chunk = min(left, budget, self.limits.long_prefill_token_threshold)
+            if self.limits.batch_invariant and chunk < left:
+                whole = min(left, self.limits.long_prefill_token_threshold)
+                if chunk < whole and spent:
+                    break  # the whole chunk waits for a step with room for it
+                chunk = whole  # the first chunk of a step runs whole: prefill always advances
             if finishing and chunk < left:
                 break  # every prompt after this one has at least as much left
             end = seq.prefilled + chunk
@@ -216,6 +225,7 @@ class BatchScheduler:
             else:
                 self.runner.forward([feed], last_only=True)
             budget -= chunk
+            spent = True
             seq.prefilled = end
         return budget
 

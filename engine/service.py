@@ -266,6 +266,7 @@ class Engine:
                 proposable_ids=min(len(tokenizer), input_rows(draft), self.vocab_size),
                 window=context_window(draft.config),
                 vocabulary=draft_vocabulary,
+                invariant=config.batch_invariant,
             )
             self._new_proposer["draft"] = lambda: BatchedDraftProposer(drafts)
         elif draft is not None:
@@ -289,7 +290,11 @@ class Engine:
             method: make() for method, make in self._new_proposer.items()
         }
         self.batching = batching
-        self._batched = BatchedRunner(target, config.max_num_seqs) if self.batching else None
+        self._batched = (
+            BatchedRunner(target, config.max_num_seqs, config.batch_invariant)
+            if self.batching
+            else None
+        )
         self.available_methods: tuple[Method, ...] = ("none", *self._proposers)
         self._eos = _eos_ids(target, tokenizer)
         self.grammars = Grammars(tokenizer, self.vocab_size, self._eos)
@@ -381,7 +386,8 @@ class Engine:
     def batching_mode(self) -> str:
         """How requests share the target, for the startup event."""
         if self.batching:
-            return f"continuous (max_num_seqs={self.config.max_num_seqs})"
+            invariant = ", batch-invariant" if self.config.batch_invariant else ""
+            return f"continuous (max_num_seqs={self.config.max_num_seqs}{invariant})"
         return f"one request at a time ({self._batching_blocked_by})"
 
     def speculation_crossover(self, method: Method) -> float:
@@ -475,6 +481,7 @@ class Engine:
                 self.config.max_num_batched_tokens,
                 self.config.max_kv_tokens,
                 self.config.long_prefill_token_threshold,
+                self.config.batch_invariant,
             )
             self._scheduler = BatchScheduler(
                 self._batched, limits, self._costs, self._step_costs, self._admit, self._finish

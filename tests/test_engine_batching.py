@@ -230,6 +230,53 @@ def test_the_draft_drafts_for_every_draft_sequence_in_shared_passes(
     assert len(drafts._free) >= drafts.runner.max_slots - 1
 
 
+def test_batch_invariant_mode_runs_each_sequence_in_a_pass_of_its_own(
+    models: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target, draft = models
+    config = EngineConfig(
+        target=target,
+        draft=draft,
+        dtype="float32",
+        speculative=NO_FALLBACK,
+        max_num_seqs=4,
+        max_num_batched_tokens=24,
+        long_prefill_token_threshold=16,
+        batch_invariant=True,
+    )
+    eng = Engine.load(config)
+    try:
+        built = [
+            make_request([3 + i % 200 for i in range(40 + i)], method, 2, 12, temperature=0.0)
+            for i, method in enumerate(["none", "ngram", "draft", "none"])
+        ]
+        alone = [eng.generate(request).token_ids for request in built]
+        widths: list[int] = []
+        chunks: list[int] = []
+        runner = eng._batched
+        assert runner is not None and runner.invariant
+        shared = runner._shared_pass
+
+        def spy(
+            feeds: list[Feed], last_only: bool, want_hidden: bool
+        ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+            widths.append(len(feeds))
+            if last_only:
+                chunks.append(len(feeds[0].tokens))
+            return shared(feeds, last_only, want_hidden)
+
+        monkeypatch.setattr(runner, "_shared_pass", spy)
+        handles = [eng.submit(request) for request in built]
+        assert [handle.result().token_ids for handle in handles] == alone
+        assert set(widths) == {1}
+        # Chunks at fixed boundaries: 16-token chunks and each prompt's remainder, never cut
+        # to what a step's budget left.
+        remainders = {(len(request.prompt_ids) - 1) % 16 for request in built}
+        assert set(chunks) <= {16, *remainders}
+    finally:
+        eng.close()
+
+
 @pytest.mark.slow
 def test_sampling_stays_exact_per_sequence_in_a_shared_batch(engine: Engine) -> None:
     """Draft speculation sampled while plain and n-gram requests share every batch: the

@@ -40,8 +40,9 @@ class BatchedDraft:
         proposable_ids: int,
         window: int,
         vocabulary: torch.Tensor | None = None,
+        invariant: bool = False,
     ) -> None:
-        self.runner = BatchedRunner(model, max_slots)
+        self.runner = BatchedRunner(model, max_slots, invariant)
         self.head = DraftHead(model, target_ids, proposable_ids, vocabulary)
         self.window = window
         self._free = list(range(max_slots))
