@@ -66,9 +66,11 @@ class StepCosts:
         if width in measured:
             return measured[width]
         stand_in = self.costs.target(batch * width)
-        if not measured or stand_in is None:
+        if not measured:
             return stand_in
         nearest = min(measured, key=lambda w: (abs(w - width), w))
+        if stand_in is None:  # nothing calibrated: the nearest measured width's cost
+            return measured[nearest]
         scale = self.costs.target(batch * nearest)
         return stand_in * measured[nearest] / scale if scale else measured[nearest]
 
