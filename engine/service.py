@@ -540,8 +540,9 @@ class Engine:
         """Time target passes of 1 to max_k + 1 tokens, and a draft pass, once at load, so that
         adaptive k starts from this machine's real costs (refined by every pass served)."""
         max_k = self.speculative_config.max_speculative_tokens
-        # Batched passes cost what a pass of as many rows costs (engine.scheduler.BatchCosts):
-        # beyond one request's k + 1 rows, sizes up to a full batch of plain steps.
+        # A batched step's unmeasured widths take the shape of the cost of as many rows
+        # (engine.batch_speculation.StepCosts): beyond one request's k + 1 rows, sizes up to
+        # a full batch of plain steps.
         sizes = list(range(1, max_k + 2))
         batch_rows = self.config.max_num_seqs * (max_k + 1)
         sizes += [n for n in (32, 64, 128) if max_k + 1 < n <= batch_rows]
