@@ -121,7 +121,7 @@ class BatchScheduler:
         self.limits = limits
         self.costs = costs
         self.steps = steps
-        self.lengths = BatchSpeculation(steps)
+        self.proposal_lengths = BatchSpeculation(steps)
         self._admit = admit
         self._finish = finish
         self.running: list[ActiveSequence] = []
@@ -253,7 +253,7 @@ class BatchScheduler:
         for seq in active:
             if not seq.started_decoding:
                 self._start_decoding(seq)
-        lengths = self.lengths.lengths(
+        lengths = self.proposal_lengths.lengths(
             [
                 Sequence(seq.speculation, seq.stats.num_target_passes, seq.remaining)
                 for seq in active
