@@ -2,9 +2,10 @@
 
 Each full-attention layer keeps ``[slots, kv_heads, capacity, head_dim]`` keys and values
 (capacity doubled when a pass needs more). Before a pass the runner says which slots take
-part and at which storage index each fed row lands (``SlotBatch``); the layer scatters the
-new keys there and hands attention a view of the participating slots' first ``kv_length``
-positions. Which of those positions a row may see is the attention mask's business, so a
+part and at which storage index each fed row lands (``SlotBatch``); the layer writes the
+new keys there (one slice copy when the whole batch writes one run, a scatter otherwise)
+and hands attention a view of the participating slots' first ``kv_length`` positions.
+Which of those positions a row may see is the attention mask's business, so a
 sequence's length is only a number in the runner: rollback is O(1) (lower the number), and
 keeping a tree's accepted path copies only the accepted entries (``keep_path``).
 
