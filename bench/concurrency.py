@@ -9,7 +9,9 @@ Serves the real app (uvicorn on 127.0.0.1, scratch SQLite audit) and, for each m
 each number of clients, runs that many streaming clients at once over a fixed mix (the
 built-in ``chat`` prompts, in turn), greedy so every method produces the same tokens. Per
 point: total completion tokens/s, mean per-request tokens/s, p50/p99 latency and time to
-first token. Then the head-of-line check: one short request sent while a prompt of
+first token. After the sweep, the engine's speculation crossover per method (the batch size
+at which it stops speculating, ``specgate_speculation_crossover_batch_size`` in ``/metrics``).
+Then the head-of-line check: one short request sent while a prompt of
 ``--long-prompt-tokens`` tokens is being prefilled; its time to first token. Points run in
 one process, side by side; the 1-minute load average is reported with them.
 
@@ -140,7 +142,9 @@ async def sweep_point(
 
 async def head_of_line(client: httpx.AsyncClient, model: str, long_tokens: int) -> float:
     """TTFT of a short request sent just after one whose prompt has ``long_tokens`` tokens."""
-    words = " ".join(f"w{i % 97}" for i in range(long_tokens))  # about one token per word
+    # One token per word with the usual BPE vocabularies (the demo's "w12"-style words took
+    # about three each, so a "2,000-token" prompt was 5,790 tokens).
+    words = " ".join(["the"] * long_tokens)
     long_messages = [{"role": "user", "content": words}]
     short = [{"role": "user", "content": "Say hi."}]
     long_task = asyncio.create_task(one_request(client, model, long_messages, "none", 8))
@@ -148,6 +152,29 @@ async def head_of_line(client: httpx.AsyncClient, model: str, long_tokens: int) 
     timed = await one_request(client, model, short, "none", 8)
     await long_task
     return round(timed.ttft_s, 3)
+
+
+CROSSOVER_GAUGE = "specgate_speculation_crossover_batch_size"
+
+
+async def crossovers(client: httpx.AsyncClient) -> dict[str, float | str]:
+    """The engine's speculation crossover per method, as ``/metrics`` reports it (absent
+    on another server, such as vLLM)."""
+    response = await client.get("/metrics")
+    if response.status_code != 200:
+        return {}
+    found: dict[str, float | str] = {}
+    for line in response.text.splitlines():
+        if line.startswith(CROSSOVER_GAUGE + "{"):
+            labels, value = line[len(CROSSOVER_GAUGE) + 1 :].rsplit("} ", 1)
+            method = next(
+                part.split("=", 1)[1].strip('"')
+                for part in labels.split(",")
+                if part.startswith("method=")
+            )
+            number = float(value)
+            found[method] = number if number != float("inf") else "inf"
+    return found
 
 
 async def run(
@@ -167,10 +194,12 @@ async def run(
                 )
                 print(json.dumps(asdict(point)), flush=True)
                 points.append(asdict(point))
+        crossover = await crossovers(client)
         ttft = await head_of_line(client, model, args.long_prompt_tokens)
     return {
         "load_average_1m": round(os.getloadavg()[0], 2),
         "points": points,
+        "speculation_crossover_batch_size": crossover,
         "short_request_ttft_behind_long_prompt_s": ttft,
         "long_prompt_tokens": args.long_prompt_tokens,
     }
@@ -188,6 +217,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--long-prompt-tokens", type=int, default=2000)
     parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--port", type=int, default=0, help="port of the local app (0: any)")
     parser.add_argument("--base-url", help="bench another OpenAI server instead (e.g. vLLM)")
     parser.add_argument("--api-key", default="none")
     parser.add_argument("--model", help="model name on --base-url")
@@ -208,7 +238,7 @@ def main() -> None:
                 max_num_seqs=args.max_num_seqs,
                 max_queue=256,
             )
-            with serving(settings) as (base_url, services):
+            with serving(settings, args.port) as (base_url, services):
                 _, api_key = services.keys.create("app", "bench-concurrency", "bench")
                 model = services.backend.card.model_name
                 result = asyncio.run(run(args, base_url, api_key, model))

@@ -168,13 +168,13 @@ def percentiles(samples_s: list[float]) -> Percentiles:
 
 
 @contextmanager
-def serving(settings: Settings) -> Iterator[tuple[str, Services]]:
+def serving(settings: Settings, port: int = 0) -> Iterator[tuple[str, Services]]:
     app = create_app(settings)
     listener = socket.socket()
     # Accepted sockets inherit this; without it Nagle's algorithm meets delayed ACKs and
     # every keep-alive response waits ~40 ms (uvicorn sets it only on sockets it binds).
     listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    listener.bind(("127.0.0.1", 0))
+    listener.bind(("127.0.0.1", port))
     server = GracefulServer(uvicorn_config(app, settings, log_level="warning"), app)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()

@@ -29,7 +29,7 @@ def theoretical_speedup(alpha: float, k: int, cost_ratio: float) -> float:
     return expected_tokens(alpha, k) / (k * cost_ratio + 1.0)
 
 
-class _Ewma:
+class Ewma:
     """Exponentially weighted mean whose samples are clipped to ``clip`` times the current
     mean: on shared cores one pass descheduled for a second would otherwise make that pass
     size look hundreds of times dearer for many steps (a real slowdown still moves the mean,
@@ -59,17 +59,17 @@ class PassCosts:
     WEIGHT = 0.1
 
     def __init__(self) -> None:
-        self._target: dict[int, _Ewma] = {}
-        self._proposer: dict[str, _Ewma] = {}
+        self._target: dict[int, Ewma] = {}
+        self._proposer: dict[str, Ewma] = {}
         self._lock = threading.Lock()
 
     def record_target(self, tokens: int, seconds: float) -> None:
         with self._lock:
-            self._target.setdefault(tokens, _Ewma(self.WEIGHT)).update(seconds)
+            self._target.setdefault(tokens, Ewma(self.WEIGHT)).update(seconds)
 
     def record_proposer(self, method: str, seconds: float) -> None:
         with self._lock:
-            self._proposer.setdefault(method, _Ewma(self.WEIGHT)).update(seconds)
+            self._proposer.setdefault(method, Ewma(self.WEIGHT)).update(seconds)
 
     def proposer(self, method: str) -> float:
         with self._lock:
@@ -148,6 +148,50 @@ class RunLengths:
         return copy
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One sequence's part in choosing how many tokens a step proposes."""
+
+    survival: list[float]  # S(1), S(2), ...: P(the first j proposals are all accepted)
+    proposer_seconds: float  # per proposed token
+    cap: int  # the most it may propose in this step
+    forced: int | None = None  # proposes exactly this many (a fixed k, a replayed schedule)
+
+    def proposes(self, k: int) -> int:
+        return self.forced if self.forced is not None else min(k, self.cap)
+
+    def expected(self, k: int) -> float:
+        """Expected tokens this step commits for the sequence when it proposes ``k``."""
+        return 1.0 + sum(self.survival[:k])
+
+
+def best_length(candidates: list[Candidate], pass_seconds: Callable[[int], float | None]) -> int:
+    """The proposal length k that maximises the expected tokens per second of one pass over
+    ``candidates`` (each feeds its last token and ``proposes(k)`` nodes; ``pass_seconds(w)``
+    is the pass's cost when the widest sequence feeds w rows, the others padded to it), plus
+    the proposers' time; 0 means plain steps pay best. Alone, this is one request's adaptive
+    k; in a batch every sequence is padded to the widest, so the length is chosen for all
+    together: a sequence proposing k makes the whole pass k + 1 rows wide."""
+    if not candidates:
+        return 0
+    floor = max((c.forced for c in candidates if c.forced is not None), default=0)
+    widest = max([floor, *(c.cap for c in candidates if c.forced is None)])
+    plain = pass_seconds(floor + 1)
+    if plain is None:
+        return widest  # nothing measured yet: every pass costs the same
+    best_k, best_rate = floor, -1.0
+    for k in range(floor, widest + 1):
+        proposed = [c.proposes(k) for c in candidates]
+        tokens = sum(c.expected(n) for c, n in zip(candidates, proposed, strict=True))
+        seconds = (pass_seconds(max(proposed) + 1) or plain) + sum(
+            n * c.proposer_seconds for c, n in zip(candidates, proposed, strict=True)
+        )
+        rate = tokens / seconds if seconds > 0 else float("inf")
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
 class SpeculationLength:
     """Per-request choice of k from how long the proposer stays right and what passes cost.
 
@@ -204,18 +248,14 @@ class SpeculationLength:
             curve.append(alive)
         return curve
 
+    def candidate(self, cap: int | None = None) -> Candidate:
+        """This request as a ``best_length`` candidate proposing at most ``cap``."""
+        limit = self.max_k if cap is None else min(cap, self.max_k)
+        return Candidate(self.survival(), self.costs.proposer(self.method), limit)
+
     def choose(self) -> int:
-        plain = self.costs.target(1)
-        if plain is None:
-            return self.max_k  # nothing measured yet: every pass costs the same
-        proposal = self.costs.proposer(self.method)
-        best_k, best_rate = 0, 1.0 / plain if plain > 0 else 0.0
-        expected = 1.0
-        for k, alive in enumerate(self.survival(), start=1):
-            expected += alive
-            rate = expected / (k * proposal + (self.costs.target(k + 1) or plain))
-            if rate > best_rate:
-                best_k, best_rate = k, rate
+        """k for this request's next step, served alone."""
+        best_k = best_length([self.candidate()], self.costs.target)
         if self.explore_from:
             return max(best_k, min(self.explore_from + 1, self.max_k))
         if best_k == 0:
@@ -320,9 +360,7 @@ class FallbackMonitor:
             window = self._window(method)
             proposed = sum(entry[0] for entry in window)
             accepted = sum(entry[1] for entry in window)
-        return (accepted + self.PRIOR_TOKENS * self.NEUTRAL_ALPHA) / (
-            proposed + self.PRIOR_TOKENS
-        )
+        return (accepted + self.PRIOR_TOKENS * self.NEUTRAL_ALPHA) / (proposed + self.PRIOR_TOKENS)
 
     def figures(self, method: Method) -> WindowFigures:
         with self._lock:
@@ -400,9 +438,7 @@ class FallbackMonitor:
                 events.append(idle_event)
             if proposed:
                 passes = max(passes, 1)
-                switch = self._record_window(
-                    method, proposed, accepted, passes, max(steps, passes)
-                )
+                switch = self._record_window(method, proposed, accepted, passes, max(steps, passes))
                 if switch is not None:
                     events.append(switch)
         if self.listener is not None:
@@ -437,8 +473,7 @@ class FallbackMonitor:
         share = plain_steps / steps
         figures = self._figures(method)
         why = (
-            f"adaptive k chose plain steps for {plain_steps} of {steps} passes; "
-            f"k = 0 still probes"
+            f"adaptive k chose plain steps for {plain_steps} of {steps} passes; k = 0 still probes"
         )
         if method not in self._idle and share >= self.IDLE_SHARE:
             self._idle.add(method)

@@ -2,9 +2,10 @@
 
 Each full-attention layer keeps ``[slots, kv_heads, capacity, head_dim]`` keys and values
 (capacity doubled when a pass needs more). Before a pass the runner says which slots take
-part and at which storage index each fed row lands (``SlotBatch``); the layer scatters the
-new keys there and hands attention a view of the participating slots' first ``kv_length``
-positions. Which of those positions a row may see is the attention mask's business, so a
+part and at which storage index each fed row lands (``SlotBatch``); the layer writes the
+new keys there (one slice copy when the whole batch writes one run, a scatter otherwise)
+and hands attention a view of the participating slots' first ``kv_length`` positions.
+Which of those positions a row may see is the attention mask's business, so a
 sequence's length is only a number in the runner: rollback is O(1) (lower the number), and
 keeping a tree's accepted path copies only the accepted entries (``keep_path``).
 
@@ -48,6 +49,15 @@ class SlotBatch:
     slots: list[int]
     write_index: torch.Tensor  # [batch, rows] long
     kv_length: int
+    # Where each row's fed rows start when every row writes one run of indices (the runner's
+    # passes always do): a slice copy, several times cheaper than a scatter for one row.
+    starts: list[int] | None = None
+
+    def single_run(self) -> tuple[int, int] | None:
+        """(start, rows) when the whole batch writes one run at one start: a slice copy."""
+        if self.starts is None or any(start != self.starts[0] for start in self.starts):
+            return None
+        return self.starts[0], int(self.write_index.shape[1])
 
     def contiguous_range(self) -> tuple[int, int] | None:
         first = self.slots[0]
@@ -96,6 +106,14 @@ class SlotLayer(DynamicLayer):
             self._grow(needed)
         span = batch.contiguous_range()
         length = batch.kv_length
+        run = batch.single_run()
+        if span is not None and run is not None:
+            lo, hi = span
+            start, rows = run
+            self._keys[lo:hi, :, start : start + rows] = key_states
+            self._values[lo:hi, :, start : start + rows] = value_states
+            self.keys, self.values = self._keys[lo:hi, :, :length], self._values[lo:hi, :, :length]
+            return self.keys, self.values
         if span is not None:
             lo, hi = span
             keys, values = self._keys[lo:hi], self._values[lo:hi]

@@ -35,18 +35,48 @@ class Feed:
 
 
 class BatchedRunner:
-    def __init__(self, model: PreTrainedModel, max_slots: int) -> None:
+    """``invariant``: run each feed in a pass of its own, so that a sequence's logits do not
+    depend on what shares the batch (batched kernels reduce in another order than a pass of
+    one, which in bfloat16 can flip a greedy near-tie); slower, since passes are not shared."""
+
+    def __init__(self, model: PreTrainedModel, max_slots: int, invariant: bool = False) -> None:
         self.model = model
+        self.invariant = invariant
         self.device = model.device
         self.max_slots = max_slots
         self.cache = SlotCache(model.config, max_slots)
         self.lengths = [0] * max_slots
         self._bool_mask = model.config._attn_implementation in _BOOL_MASK_ATTENTION
 
-    @torch.inference_mode()
     def forward(self, feeds: list[Feed], last_only: bool = False) -> list[torch.Tensor]:
         """Run every feed; float32 logits ``[rows, vocab]`` per feed (``[1, vocab]`` with
         ``last_only``, which is for prefill chunks of one feed)."""
+        return self._pass(feeds, last_only, want_hidden=False)[0]
+
+    def forward_hidden(self, feeds: list[Feed]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``forward`` of every row, with each feed's last hidden states ``[rows, hidden]``
+        (the LM head's input, float32), for proposers that draft from them."""
+        logits, hidden = self._pass(feeds, False, want_hidden=True)
+        assert hidden is not None
+        return logits, hidden
+
+    def _pass(
+        self, feeds: list[Feed], last_only: bool, want_hidden: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        if not self.invariant or len(feeds) == 1:
+            return self._shared_pass(feeds, last_only, want_hidden)
+        logits: list[torch.Tensor] = []
+        hidden: list[torch.Tensor] = []
+        for feed in feeds:
+            one, states = self._shared_pass([feed], last_only, want_hidden)
+            logits += one
+            hidden += states or []
+        return logits, hidden if want_hidden else None
+
+    @torch.inference_mode()
+    def _shared_pass(
+        self, feeds: list[Feed], last_only: bool, want_hidden: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         batch, rows = len(feeds), max(len(feed.tokens) for feed in feeds)
         if last_only and batch != 1:
             raise ValueError("last_only passes take one feed")
@@ -69,27 +99,46 @@ class BatchedRunner:
             mask[b, 0, n:, start] = True  # padding rows: see row 0, never read
         write = torch.tensor(starts)[:, None] + torch.arange(rows)[None, :]
         self.cache.batch = SlotBatch(
-            [feed.slot for feed in feeds], write.to(self.device), kv_length
+            [feed.slot for feed in feeds], write.to(self.device), kv_length, starts
         )
         attention = mask.to(self.device)
         if not self._bool_mask:
             floor = torch.finfo(self.model.dtype).min
             attention = torch.zeros(mask.shape, dtype=self.model.dtype, device=self.device)
             attention.masked_fill_(~mask.to(self.device), floor)
-        out = self.model(
-            input_ids=ids.to(self.device),
-            position_ids=positions.to(self.device),
-            attention_mask=attention,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1 if last_only else 0,
-        )
+        captured: list[torch.Tensor] = []
+        hook = None
+        if want_hidden:
+            head = self.model.get_output_embeddings()
+            assert head is not None
+
+            def capture(_module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+                captured.append(inputs[0])
+
+            hook = head.register_forward_pre_hook(capture)
+        try:
+            out = self.model(
+                input_ids=ids.to(self.device),
+                position_ids=positions.to(self.device),
+                attention_mask=attention,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=1 if last_only else 0,
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
         for feed in feeds:
             self.lengths[feed.slot] += len(feed.tokens)
         logits = out.logits.float()
         if last_only:
-            return [logits[0]]
-        return [logits[b, : len(feed.tokens)] for b, feed in enumerate(feeds)]
+            return [logits[0]], None
+        sizes = [len(feed.tokens) for feed in feeds]
+        hidden = None
+        if captured:
+            states = captured[0].float()
+            hidden = [states[b, :n] for b, n in enumerate(sizes)]
+        return [logits[b, :n] for b, n in enumerate(sizes)], hidden
 
     def truncate(self, slot: int, length: int) -> None:
         if length > self.lengths[slot]:

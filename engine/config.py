@@ -141,6 +141,20 @@ class EngineConfig(BaseModel):
         description="Rows per step: the decoding sequences' rows plus prompt chunks prefilled "
         "beside them (vLLM's name); a longer prompt is prefilled over several steps.",
     )
+    long_prefill_token_threshold: int = Field(
+        default=128,
+        ge=1,
+        description="Most prompt tokens one request prefills per step (vLLM's name): a long "
+        "prompt is cut into chunks of this size, and a chunk that does not finish its prompt "
+        "runs after the step's decode pass, so a short request arriving behind it waits at "
+        "most one such chunk for its first token.",
+    )
+    batch_invariant: bool = Field(
+        default=False,
+        description="Run each sequence of a batched step in a pass of its own (target and "
+        "draft), so that its logits, and so its greedy output, do not depend on what else is "
+        "in the batch; costs the throughput that shared passes bring.",
+    )
     max_kv_tokens: int | None = Field(
         default=None,
         ge=1,

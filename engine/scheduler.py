@@ -3,14 +3,17 @@
 Each iteration of ``BatchScheduler.run``:
 1. admits waiting requests while there is a free slot (``max_num_seqs``) and the KV budget
    holds the padded cache (every slot is as long as the longest: slots x longest reservation);
-2. prefills prompts in chunks, within what the step's token budget (``max_num_batched_tokens``)
-   leaves after the decoding sequences' rows, the shortest remainder first, so a long prompt
-   delays the others' next step by one chunk, never by its whole length;
+2. prefills the prompts that this step finishes, the shortest remainder first, within what
+   the step's token budget (``max_num_batched_tokens``) leaves after the decoding sequences'
+   rows, one chunk of at most ``long_prefill_token_threshold`` tokens per prompt;
 3. runs one decode step over every sequence whose prompt is cached: each brings its own
-   proposal, sized by its own adaptive k against the pass costs at this batch size
-   (``BatchCosts``), so speculation shrinks as the batch grows and stops where it no
-   longer pays;
-4. streams each sequence's new tokens and retires the finished, cancelled ones, moving the
+   proposal, its length chosen for the batch from every sequence's acceptance and the
+   measured step costs at this batch size (``engine.batch_speculation``), so speculation
+   shrinks as the batch grows and stops where it no longer pays;
+4. spends what is left of the budget on chunks that do not finish their prompt, after the
+   decode pass: a short request arriving behind a long prompt waits for the chunk in flight,
+   its own prefill and one decode pass, never for more of the long prompt;
+5. streams each sequence's new tokens and retires the finished, cancelled ones, moving the
    last slot into the freed one so the running slots stay contiguous.
 
 Prefill chunks run as passes of their own: in the padded layout a chunk of hundreds of rows
@@ -29,13 +32,15 @@ from typing import TYPE_CHECKING
 import torch
 from opentelemetry import trace
 
-from engine.adaptive import PassCosts, expected_tokens
+from engine.adaptive import PassCosts
+from engine.batch_speculation import BatchSpeculation, Sequence, StepCosts
 from engine.batched_runner import BatchedRunner, Feed
 from engine.decoding import Speculation
 from engine.logits_processors import LogitsProcessing
 from engine.logprobs import LogprobRecorder
 from engine.output import OutputAssembler
 from engine.proposers.base import Proposal
+from engine.proposers.batched_draft import BatchedDraft, BatchedDraftProposer, DraftRequest
 from engine.step import StepRow, run_step
 from engine.types import GenerationStats, Method, StreamDelta
 
@@ -43,45 +48,6 @@ if TYPE_CHECKING:
     from engine.service import RequestHandle
 
 _tracer = trace.get_tracer("specgate.engine")
-
-
-class BatchCosts(PassCosts):
-    """The engine's pass costs seen by one sequence in a batch of ``batch``: a pass where each
-    sequence feeds ``tokens`` rows costs what a pass of ``batch * tokens`` rows costs (the
-    target's work grows with the rows fed; on a memory-bound device it stays flat until the
-    weights stop dominating, on two CPU cores it grows almost at once)."""
-
-    def __init__(self, costs: PassCosts, batch: int) -> None:
-        super().__init__()
-        self.costs = costs
-        self.batch = batch
-
-    def target(self, tokens: int) -> float | None:
-        return self.costs.target(self.batch * tokens)
-
-    def proposer(self, method: str) -> float:
-        return self.costs.proposer(method)
-
-    def record_target(self, tokens: int, seconds: float) -> None:
-        self.costs.record_target(self.batch * tokens, seconds)
-
-    def record_proposer(self, method: str, seconds: float) -> None:
-        self.costs.record_proposer(method, seconds)
-
-
-def best_length(alpha: float, costs: PassCosts, method: str, max_k: int) -> int:
-    """The k that maximises tokens per second at a steady acceptance ``alpha`` (0: plain)."""
-    plain = costs.target(1)
-    if not plain:
-        return max_k
-    best_k, best_rate = 0, 1.0 / plain
-    for k in range(1, max_k + 1):
-        rate = expected_tokens(alpha, k) / (
-            k * costs.proposer(method) + (costs.target(k + 1) or plain)
-        )
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
 
 
 @dataclass
@@ -104,6 +70,22 @@ class ActiveSequence:
     done: bool = False
     span: trace.Span | None = None
     started_decoding: bool = field(default=False)
+    # The target's last hidden states of the prompt's cached positions, chunk by chunk, for
+    # a proposer that drafts from them (``wants_hidden``); None for the others.
+    prompt_hidden: list[torch.Tensor] | None = None
+
+    @property
+    def wants_hidden(self) -> bool:
+        return self.hidden_observer is not None
+
+    @property
+    def hidden_observer(self) -> Callable[[torch.Tensor], None] | None:
+        """The proposer's ``observe_hidden`` where it drafts from the target's hidden states."""
+        proposer = self.speculation.proposer if self.speculation is not None else None
+        if proposer is None or not getattr(proposer, "wants_hidden", False):
+            return None
+        observe: Callable[[torch.Tensor], None] = proposer.observe_hidden  # type: ignore[attr-defined]
+        return observe
 
     @property
     def prefill_target(self) -> int:
@@ -119,6 +101,10 @@ class BatchLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_kv_tokens: int | None  # padded positions over all slots; None: max_num_seqs x context
+    long_prefill_token_threshold: int  # most prompt tokens one sequence prefills per step
+    # Prompt chunks at fixed boundaries (multiples of the threshold), never cut to what the
+    # step's budget leaves, so a prompt's prefill passes do not depend on the batch.
+    batch_invariant: bool = False
 
 
 class BatchScheduler:
@@ -127,12 +113,15 @@ class BatchScheduler:
         runner: BatchedRunner,
         limits: BatchLimits,
         costs: PassCosts,
+        steps: StepCosts,
         admit: Callable[[RequestHandle], ActiveSequence | None],
         finish: Callable[[ActiveSequence], None],
     ) -> None:
         self.runner = runner
         self.limits = limits
         self.costs = costs
+        self.steps = steps
+        self.proposal_lengths = BatchSpeculation(steps)
         self._admit = admit
         self._finish = finish
         self.running: list[ActiveSequence] = []
@@ -147,8 +136,9 @@ class BatchScheduler:
                 stopping = not self._take(requests, block=not (self.running or self.waiting))
             self._admit_waiting()
             try:
-                self._prefill()
+                budget = self._prefill(self._prefill_budget(), finishing=True)
                 self._decode()
+                self._prefill(budget, finishing=False)
             except Exception as exc:  # delivered to every running caller; the worker lives on
                 for seq in self.running:
                     seq.handle.put(exc)
@@ -200,24 +190,44 @@ class BatchScheduler:
             seq.span.set_attribute("specgate.prompt_tokens", len(seq.context))
             self.running.append(seq)
 
-    def _prefill(self) -> None:
-        """Prompt chunks within the step's budget, the prompt with the least left first: a
-        short request arriving behind a long prompt gets its first token after one step."""
+    def _prefill_budget(self) -> int:
         decoding = sum(1 for seq in self.running if seq.decoding and not seq.done)
-        budget = max(self.limits.max_num_batched_tokens - decoding, 1)
+        return max(self.limits.max_num_batched_tokens - decoding, 1)
+
+    def _prefill(self, budget: int, finishing: bool) -> int:
+        """Prompt chunks within ``budget``, the prompt with the least left first; with
+        ``finishing`` only chunks that finish their prompt (those run before the decode pass).
+        Returns the budget left."""
         pending = sorted(self.running, key=lambda seq: seq.prefill_target - seq.prefilled)
+        spent = False
         for seq in pending:
             if budget <= 0:
-                return
+                break
             if seq.decoding or seq.done:
                 continue
             if seq.handle.cancelled:
                 seq.done = True
                 continue
-            end = min(seq.prefill_target, seq.prefilled + budget)
-            self.runner.forward([Feed(seq.slot, seq.context[seq.prefilled : end])], last_only=True)
-            budget -= end - seq.prefilled
+            left = seq.prefill_target - seq.prefilled
+            chunk = min(left, budget, self.limits.long_prefill_token_threshold)
+            if self.limits.batch_invariant and chunk < left:
+                whole = min(left, self.limits.long_prefill_token_threshold)
+                if chunk < whole and spent:
+                    break  # the whole chunk waits for a step with room for it
+                chunk = whole  # the first chunk of a step runs whole: prefill always advances
+            if finishing and chunk < left:
+                break  # every prompt after this one has at least as much left
+            end = seq.prefilled + chunk
+            feed = Feed(seq.slot, seq.context[seq.prefilled : end])
+            if seq.wants_hidden:
+                hidden = self.runner.forward_hidden([feed])[1][0]
+                seq.prompt_hidden = [*(seq.prompt_hidden or []), hidden]
+            else:
+                self.runner.forward([feed], last_only=True)
+            budget -= chunk
+            spent = True
             seq.prefilled = end
+        return budget
 
     def _start_decoding(self, seq: ActiveSequence) -> None:
         seq.started_decoding = True
@@ -226,6 +236,10 @@ class BatchScheduler:
         seq.span = _tracer.start_span("specgate.decode", context=seq.handle.otel_context)
         if seq.speculation is not None:
             seq.speculation.proposer.start(list(seq.context))
+            observe = seq.hidden_observer
+            if observe is not None and seq.prompt_hidden:  # as the one-request loop does
+                observe(torch.cat(seq.prompt_hidden))
+            seq.prompt_hidden = None
 
     def _decode(self) -> None:
         active = [seq for seq in self.running if seq.decoding and not seq.done]
@@ -236,26 +250,33 @@ class BatchScheduler:
         if not active:
             return
         self.last_batch_size = len(active)
-        batch_costs = BatchCosts(self.costs, len(active))
-        rows = []
         for seq in active:
             if not seq.started_decoding:
                 self._start_decoding(seq)
-            rows.append(
-                StepRow(
-                    seq.slot,
-                    seq.context,
-                    self._propose(seq, batch_costs),
-                    seq.handle.request.sampling,
-                    seq.generator,
-                    seq.processing,
-                    None if seq.recorder is None else seq.recorder.observe,
-                )
+        lengths = self.proposal_lengths.lengths(
+            [
+                Sequence(seq.speculation, seq.stats.num_target_passes, seq.remaining)
+                for seq in active
+            ]
+        )
+        proposals = self._propose_all(active, lengths)
+        rows = [
+            StepRow(
+                seq.slot,
+                seq.context,
+                proposal,
+                seq.handle.request.sampling,
+                seq.generator,
+                seq.processing,
+                None if seq.recorder is None else seq.recorder.observe,
+                seq.hidden_observer,
             )
+            for seq, proposal in zip(active, proposals, strict=True)
+        ]
         width = max(len(row.proposal.tokens) for row in rows) + 1
         started = time.perf_counter()
         verdicts = run_step(self.runner, rows)
-        batch_costs.record_target(width, time.perf_counter() - started)
+        self.steps.record(len(active), width, time.perf_counter() - started)
         for seq, row, verdict in zip(active, rows, verdicts, strict=True):
             proposal = row.proposal
             new_tokens = [*(proposal.tokens[i] for i in verdict.path), verdict.next_token]
@@ -269,28 +290,51 @@ class BatchScheduler:
             seq.remaining -= len(new_tokens)
             self._deliver(seq, new_tokens)
 
-    def _propose(self, seq: ActiveSequence, costs: BatchCosts) -> Proposal:
-        speculation = seq.speculation
-        if speculation is None:
-            return Proposal([])
-        speculation.length.costs = costs
-        k = min(speculation.next_k(seq.stats.num_target_passes), seq.remaining - 1)
-        if k <= 0:
-            return Proposal([])
-        started = time.perf_counter()
-        proposal = speculation.proposer.propose(
-            seq.context,
-            k,
-            seq.handle.request.sampling,
-            seq.generator,
-            speculation.min_confidence,
-            seq.processing,
-        )
-        if proposal.tokens:
-            self.costs.record_proposer(
-                speculation.proposer.method, (time.perf_counter() - started) / len(proposal.tokens)
+    def _propose_all(self, active: list[ActiveSequence], lengths: list[int]) -> list[Proposal]:
+        """Each sequence's proposal of its chosen length: the draft model's sequences in
+        shared draft passes (``BatchedDraft``), the others one by one."""
+        proposals = [Proposal([]) for _ in active]
+        shared: dict[int, tuple[BatchedDraft, list[int], list[DraftRequest]]] = {}
+        for index, (seq, k) in enumerate(zip(active, lengths, strict=True)):
+            speculation = seq.speculation
+            if speculation is None or k <= 0:
+                continue
+            proposer = speculation.proposer
+            params = seq.handle.request.sampling
+            if isinstance(proposer, BatchedDraftProposer):
+                drafts = proposer.drafts
+                _, indices, requests = shared.setdefault(id(drafts), (drafts, [], []))
+                indices.append(index)
+                requests.append(
+                    DraftRequest(
+                        proposer,
+                        seq.context,
+                        k,
+                        params,
+                        seq.generator,
+                        speculation.min_confidence,
+                        seq.processing,
+                    )
+                )
+                continue
+            started = time.perf_counter()
+            proposals[index] = proposer.propose(
+                seq.context, k, params, seq.generator, speculation.min_confidence, seq.processing
             )
-        return proposal
+            self._record_proposer(proposer.method, started, [proposals[index]])
+        for drafts, indices, requests in shared.values():
+            started = time.perf_counter()
+            drafted = drafts.propose(requests)
+            for index, proposal in zip(indices, drafted, strict=True):
+                proposals[index] = proposal
+            self._record_proposer("draft", started, drafted)
+        return proposals
+
+    def _record_proposer(self, method: Method, started: float, proposals: list[Proposal]) -> None:
+        """Seconds per proposed token (shared draft passes: per token of every sequence)."""
+        tokens = sum(len(proposal.tokens) for proposal in proposals)
+        if tokens:
+            self.costs.record_proposer(method, (time.perf_counter() - started) / tokens)
 
     def _deliver(self, seq: ActiveSequence, tokens: list[int]) -> None:
         handle, stats = seq.handle, seq.stats
@@ -322,6 +366,10 @@ class BatchScheduler:
     def _close(self, seq: ActiveSequence) -> None:
         seq.done = True
         self.runner.release(seq.slot)
+        if seq.speculation is not None and isinstance(
+            seq.speculation.proposer, BatchedDraftProposer
+        ):
+            seq.speculation.proposer.finish()
         if seq.span is not None:
             if seq.started_decoding:
                 annotate(seq.span, seq.stats)

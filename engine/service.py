@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine import methods
 from engine.adaptive import FallbackMonitor, PassCosts, RunLengths, SpeculationLength
+from engine.batch_speculation import StepCosts, crossover
 from engine.batched_cache import supports_batching
 from engine.batched_runner import BatchedRunner
 from engine.compat import continues_exactly
@@ -42,14 +43,7 @@ from engine.methods import PLAIN, LoadContext, LoadedMethod
 from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
 from engine.proposers import Proposer
-from engine.scheduler import (
-    ActiveSequence,
-    BatchCosts,
-    BatchLimits,
-    BatchScheduler,
-    annotate,
-    best_length,
-)
+from engine.scheduler import ActiveSequence, BatchLimits, BatchScheduler, annotate
 from engine.types import (
     MAX_TOP_LOGPROBS,
     CompiledConstraint,
@@ -128,6 +122,12 @@ class Engine:
         # False where the target cannot verify several tokens in one pass (engine.compat):
         # then no speculation method is offered (and none loads its artefacts).
         self.can_speculate = continues_exactly(self._target, self.vocab_size)
+        # Continuous batching where every attention layer is plain full attention; other
+        # models (sliding-window, chunked, recurrent layers) are served one request at a time.
+        batching = supports_batching(target.config)
+        self._batching_blocked_by = (
+            None if batching else "sliding-window, chunked or recurrent layers"
+        )
         spec = config.speculative
         self._methods: dict[Method, LoadedMethod] = (
             _load_methods(
@@ -152,20 +152,16 @@ class Engine:
         self._proposers: dict[Method, Proposer] = {
             method: make() for method, make in self._new_proposer.items()
         }
-        # Continuous batching where every attention layer is plain full attention; other
-        # models (sliding-window, chunked, recurrent layers) are served one request at a time,
-        # and so are methods that say they cannot share a batch (Medusa's heads need hidden
-        # states the batched runner does not return).
-        self._batching_blocked_by = (
-            None
-            if supports_batching(target.config)
-            else "sliding-window, chunked or recurrent layers"
-        )
+        # And one request at a time where a method says its requests cannot share a batch.
         for loaded in self._methods.values():
             if self._batching_blocked_by is None:
                 self._batching_blocked_by = loaded.batching_blocked_by
         self.batching = self._batching_blocked_by is None
-        self._batched = BatchedRunner(target, config.max_num_seqs) if self.batching else None
+        self._batched = (
+            BatchedRunner(target, config.max_num_seqs, config.batch_invariant)
+            if self.batching
+            else None
+        )
         self.available_methods: tuple[Method, ...] = (PLAIN, *self._proposers)
         self._eos = _eos_ids(target, tokenizer)
         self.grammars = Grammars(tokenizer, self.vocab_size, self._eos)
@@ -173,6 +169,7 @@ class Engine:
         self._listener = on_fallback
         self._load_shedding = False
         self._costs = PassCosts()
+        self._step_costs = StepCosts(self._costs)
         self._monitor = FallbackMonitor(
             self.model_name,
             {method: spec.acceptance_threshold_for(method) for method in self._proposers},
@@ -222,28 +219,26 @@ class Engine:
     def batching_mode(self) -> str:
         """How requests share the target, for the startup event."""
         if self.batching:
-            return f"continuous (max_num_seqs={self.config.max_num_seqs})"
+            invariant = ", batch-invariant" if self.config.batch_invariant else ""
+            return f"continuous (max_num_seqs={self.config.max_num_seqs}{invariant})"
         return f"one request at a time ({self._batching_blocked_by})"
 
     def speculation_crossover(self, method: Method) -> float:
-        """The smallest batch size at which a sequence at the method's current acceptance
-        gets k = 0 from the pass costs measured at that batch size; inf where speculating
-        pays up to ``max_num_seqs``."""
+        """The smallest batch size at which a batch of new requests with the method chooses
+        plain steps (k = 0) from the measured step costs and the method's current acceptance
+        (``engine.batch_speculation.crossover``, the same choice every step makes); inf where
+        speculating pays up to ``max_num_seqs``; 0 for a method that is not loaded."""
         if method not in self._proposers:
             return 0.0
-        alpha = self._monitor.prior(method)
-        for batch in range(1, self.config.max_num_seqs + 1):
-            if (
-                best_length(
-                    alpha,
-                    BatchCosts(self._costs, batch),
-                    method,
-                    self.speculative_config.max_speculative_tokens,
-                )
-                == 0
-            ):
-                return float(batch)
-        return float("inf")
+        spec = self.speculative_config
+        fresh = SpeculationLength(
+            spec.max_speculative_tokens,
+            self._monitor.prior(method),
+            self._costs,
+            method,
+            self._run_lengths[method],
+        )
+        return crossover(self._step_costs, fresh, self.config.max_num_seqs)
 
     def fallback_state(self) -> dict[Method, bool]:
         """Per method: whether the engine has stopped proposing with it, switched off by
@@ -329,9 +324,11 @@ class Engine:
                 self.config.max_num_seqs,
                 self.config.max_num_batched_tokens,
                 self.config.max_kv_tokens,
+                self.config.long_prefill_token_threshold,
+                self.config.batch_invariant,
             )
             self._scheduler = BatchScheduler(
-                self._batched, limits, self._costs, self._admit, self._finish
+                self._batched, limits, self._costs, self._step_costs, self._admit, self._finish
             )
             self._scheduler.run(self._queue)
             return
@@ -388,8 +385,9 @@ class Engine:
         (``LoadedMethod.calibrate``), once at load, so that
         adaptive k starts from this machine's real costs (refined by every pass served)."""
         max_k = self.speculative_config.max_speculative_tokens
-        # Batched passes cost what a pass of as many rows costs (engine.scheduler.BatchCosts):
-        # beyond one request's k + 1 rows, sizes up to a full batch of plain steps.
+        # A batched step's unmeasured widths take the shape of the cost of as many rows
+        # (engine.batch_speculation.StepCosts): beyond one request's k + 1 rows, sizes up to
+        # a full batch of plain steps.
         sizes = list(range(1, max_k + 2))
         batch_rows = self.config.max_num_seqs * (max_k + 1)
         sizes += [n for n in (32, 64, 128) if max_k + 1 < n <= batch_rows]
@@ -497,9 +495,7 @@ class Engine:
                     )
                     break
                 if piece.token_ids or piece.text:
-                    handle.put(
-                        StreamDelta(piece.text, tuple(piece.token_ids), logprobs=logprobs)
-                    )
+                    handle.put(StreamDelta(piece.text, tuple(piece.token_ids), logprobs=logprobs))
             steps.close()
             annotate(span, stats)
         self._record(plan.speculation, stats)

@@ -37,6 +37,9 @@ class StepRow:
     generator: torch.Generator
     processing: LogitsProcessing | None = None
     observe: Observer | None = None
+    # Gets the target's last hidden states of the committed positions (a proposer that
+    # drafts from them, as in the one-request loop).
+    observe_hidden: Callable[[torch.Tensor], None] | None = None
 
 
 def proposal_parents(proposal: Proposal) -> tuple[int, ...] | None:
@@ -50,9 +53,14 @@ def run_step(runner: BatchedRunner, rows: list[StepRow]) -> list[TreeVerdict]:
         Feed(row.slot, [row.context[-1], *row.proposal.tokens], proposal_parents(row.proposal))
         for row in rows
     ]
-    logits = runner.forward(feeds)
+    hidden: list[torch.Tensor | None] = [None] * len(rows)
+    if any(row.observe_hidden is not None for row in rows):
+        logits, states = runner.forward_hidden(feeds)
+        hidden = list(states)
+    else:
+        logits = runner.forward(feeds)
     verdicts = []
-    for row, row_logits in zip(rows, logits, strict=True):
+    for row, row_logits, row_hidden in zip(rows, logits, hidden, strict=True):
         if row.processing is not None:
             row_logits = row.processing.apply(
                 row_logits, proposal_paths(row.proposal.tokens, proposal_parents(row.proposal))
@@ -64,5 +72,7 @@ def run_step(runner: BatchedRunner, rows: list[StepRow]) -> list[TreeVerdict]:
             row.processing.commit(new_tokens)
         if row.observe is not None:
             row.observe(row_logits[[0, *(i + 1 for i in verdict.path)]], new_tokens)
+        if row.observe_hidden is not None and row_hidden is not None:
+            row.observe_hidden(row_hidden[[0, *(i + 1 for i in verdict.path)]])
         verdicts.append(verdict)
     return verdicts

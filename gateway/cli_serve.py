@@ -42,6 +42,18 @@ def serve(
         int | None,
         typer.Option(help="Rows per batched step, prompt chunks included (vLLM's name)."),
     ] = None,
+    long_prefill_token_threshold: Annotated[
+        int | None,
+        typer.Option(help="Most prompt tokens one request prefills per step (vLLM's name)."),
+    ] = None,
+    batch_invariant: Annotated[
+        bool | None,
+        typer.Option(
+            "--batch-invariant/--no-batch-invariant",
+            help="Run each batched sequence in a pass of its own: its output does not depend "
+            "on the batch (slower).",
+        ),
+    ] = None,
     database_url: Annotated[
         str | None,
         typer.Option(help="sqlite:///PATH or postgresql://... (default: SQLite in the data dir)."),
@@ -100,6 +112,8 @@ def serve(
             dtype=dtype,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            batch_invariant=batch_invariant,
             database_url=database_url,
             migrate=migrate,
             host=host,

@@ -161,6 +161,12 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(
         default=512, ge=16, description="Rows per batched step, prompt chunks included."
     )
+    long_prefill_token_threshold: int = Field(
+        default=128, ge=1, description="Most prompt tokens one request prefills per step."
+    )
+    batch_invariant: bool = Field(
+        default=False, description="Each batched sequence in a pass of its own (slower)."
+    )
     max_kv_tokens: int | None = Field(
         default=None, ge=1, description="KV budget in cached positions over all batch slots."
     )
@@ -548,6 +554,8 @@ def engine_config(settings: Settings) -> EngineConfig:
             max_queue=settings.max_queue,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
+            long_prefill_token_threshold=settings.long_prefill_token_threshold,
+            batch_invariant=settings.batch_invariant,
             max_kv_tokens=settings.max_kv_tokens,
             cpu_threads=settings.cpu_threads,
             served_model_name=settings.served_model_name

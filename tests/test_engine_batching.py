@@ -19,9 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
+from engine.adaptive import PassCosts, RunLengths, SpeculationLength
+from engine.batch_speculation import BatchSpeculation, Sequence, StepCosts, crossover
 from engine.batched_runner import BatchedRunner, Feed
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.decoding import Speculation
 from engine.model_runner import ModelRunner
+from engine.proposers import NgramProposer
+from engine.proposers.batched_draft import BatchedDraftProposer
 from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from tests.test_engine_sampling import (
@@ -54,7 +59,8 @@ def engine(models: tuple[Path, Path]) -> Iterator[Engine]:
         dtype="float32",
         speculative=NO_FALLBACK,
         max_num_seqs=4,
-        max_num_batched_tokens=16,  # long prompts prefill in several chunks beside decoding
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=16,  # long prompts prefill in several chunks
     )
     eng = Engine.load(config)
     assert eng.batching
@@ -167,6 +173,110 @@ def test_a_short_request_is_not_stuck_behind_a_long_prompt(engine: Engine) -> No
     assert short_result.token_ids == engine.generate(short_request).token_ids
 
 
+def test_a_short_request_decodes_before_the_long_prompt_prefill_goes_on(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt the step budget could finish at once is still cut into chunks, and a chunk
+    that does not finish its prompt waits for the decode pass: the short request behind it
+    gets its first token while the long prompt is still being prefilled."""
+    runner = engine._batched
+    assert runner is not None
+    passes: list[tuple[bool, list[int]]] = []  # (prefill chunk, the feeds' lengths)
+    forward = runner.forward
+
+    def spy(feeds: list[Feed], last_only: bool = False) -> list[torch.Tensor]:
+        passes.append((last_only, [len(feed.tokens) for feed in feeds]))
+        return forward(feeds, last_only)
+
+    monkeypatch.setattr(runner, "forward", spy)
+    long_prompt = [3 + i % 300 for i in range(50)]  # fits the 64-row budget of one step
+    long = engine.submit(make_request(long_prompt, "none", None, 2, temperature=0.0))
+    short_request = make_request([5, 6, 7], "none", None, 2, temperature=0.0)
+    short = engine.submit(short_request)
+    short_result, long_result = short.result(), long.result()
+    short_first = short.submitted_at + short_result.stats.time_to_first_token_s
+    long_first = long.submitted_at + long_result.stats.time_to_first_token_s
+    assert short_first < long_first
+    chunks = [lengths[0] for prefill, lengths in passes if prefill]
+    assert max(chunks) <= 16 and sum(chunks) == len(long_prompt) - 1 + 2
+    after_short = passes.index((True, [2])) + 1
+    assert passes[after_short][0] is False  # the decode pass, before any more of the long one
+    assert short_result.token_ids == engine.generate(short_request).token_ids
+
+
+def test_the_draft_drafts_for_every_draft_sequence_in_shared_passes(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prototype = engine._proposers["draft"]
+    assert isinstance(prototype, BatchedDraftProposer)
+    drafts = prototype.drafts
+    feeds_per_pass: list[int] = []
+    forward = drafts.runner.forward
+
+    def spy(feeds: list[Feed], last_only: bool = False) -> list[torch.Tensor]:
+        if not last_only:  # catch-up passes of one sequence's prompt are last_only
+            feeds_per_pass.append(len(feeds))
+        return forward(feeds, last_only)
+
+    built = [make_request([5 + i, 6, 7, 8], "draft", 3, 16, temperature=0.0) for i in range(3)] + [
+        make_request([50, 51, 52], "draft", 2, 16, temperature=0.7, seed=3)
+    ]
+    alone = [engine.generate(request).token_ids for request in built]
+    monkeypatch.setattr(drafts.runner, "forward", spy)
+    handles = [engine.submit(request) for request in built]
+    assert [handle.result().token_ids for handle in handles] == alone
+    assert max(feeds_per_pass) == len(built)  # one pass drafted for all four
+    # Every finished request gave its draft slot back (the engine's own proposer may hold one).
+    assert len(drafts._free) >= drafts.runner.max_slots - 1
+
+
+def test_batch_invariant_mode_runs_each_sequence_in_a_pass_of_its_own(
+    models: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target, draft = models
+    config = EngineConfig(
+        target=target,
+        draft=draft,
+        dtype="float32",
+        speculative=NO_FALLBACK,
+        max_num_seqs=4,
+        max_num_batched_tokens=24,
+        long_prefill_token_threshold=16,
+        batch_invariant=True,
+    )
+    eng = Engine.load(config)
+    try:
+        built = [
+            make_request([3 + i % 200 for i in range(40 + i)], method, 2, 12, temperature=0.0)
+            for i, method in enumerate(["none", "ngram", "draft", "none"])
+        ]
+        alone = [eng.generate(request).token_ids for request in built]
+        widths: list[int] = []
+        chunks: list[int] = []
+        runner = eng._batched
+        assert runner is not None and runner.invariant
+        shared = runner._shared_pass
+
+        def spy(
+            feeds: list[Feed], last_only: bool, want_hidden: bool
+        ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+            widths.append(len(feeds))
+            if last_only:
+                chunks.append(len(feeds[0].tokens))
+            return shared(feeds, last_only, want_hidden)
+
+        monkeypatch.setattr(runner, "_shared_pass", spy)
+        handles = [eng.submit(request) for request in built]
+        assert [handle.result().token_ids for handle in handles] == alone
+        assert set(widths) == {1}
+        # Chunks at fixed boundaries: 16-token chunks and each prompt's remainder, never cut
+        # to what a step's budget left.
+        remainders = {(len(request.prompt_ids) - 1) % 16 for request in built}
+        assert set(chunks) <= {16, *remainders}
+    finally:
+        eng.close()
+
+
 @pytest.mark.slow
 def test_sampling_stays_exact_per_sequence_in_a_shared_batch(engine: Engine) -> None:
     """Draft speculation sampled while plain and n-gram requests share every batch: the
@@ -197,3 +307,77 @@ def test_sampling_stays_exact_per_sequence_in_a_shared_batch(engine: Engine) -> 
             handle.result()
     exact = exact_pair_distribution(engine, prompt, params)
     assert chi_square_p_value(counts, exact) > SIGNIFICANCE
+
+
+def cpu_like_costs(per_row: float = 0.004, fixed: float = 0.02) -> PassCosts:
+    """A pass whose cost grows with every row fed, as on two CPU cores."""
+    costs = PassCosts()
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+        costs.record_target(rows, fixed + per_row * rows)
+    costs.record_proposer("ngram", 0.0)
+    return costs
+
+
+def adaptive(
+    costs: PassCosts, accepted: tuple[int, ...], proposed: int = 4, fixed_k: int | None = None
+) -> Speculation:
+    """An n-gram request whose steps of ``proposed`` tokens accepted ``accepted``, in turn."""
+    length = SpeculationLength(8, 0.5, costs, "ngram", RunLengths(8))
+    for _ in range(10):
+        for count in accepted:
+            length.record(proposed, count)
+    return Speculation(NgramProposer(1, 3), fixed_k, length)
+
+
+def test_speculation_shrinks_with_the_batch_and_stops_at_a_measured_crossover() -> None:
+    costs = cpu_like_costs()
+    steps = StepCosts(costs)
+    chooser = BatchSpeculation(steps)
+    half = Sequence(adaptive(costs, (0, 2)), 0, 100)  # half the steps accept two, half none
+    ks = [chooser.lengths([half] * batch)[0] for batch in (1, 4, 16)]
+    assert ks[0] >= ks[1] >= ks[2] == 0 < ks[0]
+    fresh = half.speculation.length  # type: ignore[union-attr]
+    found = crossover(steps, fresh, 16)
+    assert 1 < found <= 16
+    assert chooser.lengths([half] * int(found))[0] == 0
+    assert chooser.lengths([half] * (int(found) - 1))[0] > 0
+    # Free passes (memory-bound): speculation pays at every batch size.
+    assert crossover(StepCosts(cpu_like_costs(per_row=0.0)), fresh, 16) == float("inf")
+
+
+def test_one_speculating_sequence_pays_for_the_padding_of_the_others() -> None:
+    costs = cpu_like_costs()
+    chooser = BatchSpeculation(StepCosts(costs))
+    good = Sequence(adaptive(costs, (0, 4)), 0, 100)
+    alone = chooser.lengths([good])[0]
+    assert alone > 0
+    # Beside seven plain requests its proposal widens all eight rows of the pass.
+    beside = chooser.lengths([good, *[Sequence(None, 0, 100)] * 7])
+    assert beside[0] < alone and beside[1:] == [0] * 7
+
+
+def test_a_fixed_k_is_proposed_whole_and_a_plain_batch_probes_rarely() -> None:
+    costs = cpu_like_costs()
+    chooser = BatchSpeculation(StepCosts(costs))
+    poor = [Sequence(adaptive(costs, (0,)), 0, 100) for _ in range(4)]
+    pinned = Sequence(adaptive(costs, (0,), fixed_k=3), 0, 100)
+    assert chooser.lengths([*poor, pinned])[-1] == 3
+    chooser.plain_run = 0
+    rounds = [chooser.lengths(poor) for _ in range(3 * 4 * chooser.PROBE_AFTER_PLAIN_STEPS)]
+    probes = [ks for ks in rounds if any(ks)]
+    assert probes and all(ks == [1, 1, 1, 1] for ks in probes)
+    assert len(probes) <= 3  # once per PROBE_AFTER_PLAIN_STEPS plain steps per sequence
+    assert poor[0].speculation is not None
+    assert poor[0].speculation.length.plain_steps == len(rounds) - len(probes)
+
+
+def test_step_costs_keep_the_calibrated_shape_at_the_measured_level() -> None:
+    costs = cpu_like_costs()
+    steps = StepCosts(costs)
+    assert steps.seconds(4, 2) == costs.target(8)
+    steps.record(4, 1, 2 * (costs.target(4) or 0.0))  # batched steps cost twice the stand-in
+    assert steps.seconds(4, 1) == pytest.approx(2 * (costs.target(4) or 0.0))
+    assert steps.seconds(4, 3) == pytest.approx(2 * (costs.target(12) or 0.0))
+    assert steps.seconds(2, 3) == costs.target(6)  # other batch sizes are not moved
+    steps.record(4, 2, 0.001)  # a wider step measured cheaper than a narrower one: noise
+    assert steps.seconds(4, 2) == steps.seconds(4, 1)

@@ -15,14 +15,17 @@ import pytest
 import torch
 
 from engine import decoding
+from engine.adaptive import PassCosts, SpeculationLength
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.heads.medusa import HeadsMismatchError, load_heads
 from engine.heads.train import HeadsSpec, train_medusa
 from engine.loading import load_model, load_tokenizer
+from engine.model_runner import ModelRunner
 from engine.proposers.base import Proposal
+from engine.proposers.medusa import MedusaProposer
 from engine.sampling import TreeVerdict, verify_tree_greedy
 from engine.service import Engine
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.types import GenerationRequest, GenerationStats, SamplingParams, SpeculativeChoice
 from engine.versioning import model_version
 from tests.test_engine_sampling import (
     SIGNIFICANCE,
@@ -33,8 +36,14 @@ from tests.test_engine_sampling import (
 from tests.tiny_models import SAMPLE_TEXT, build_model, build_tokenizer
 
 SPEC = HeadsSpec(
-    num_heads=3, snippets=16, prompt_tokens=8, answer_tokens=16, generation_batch=8, steps=30,
-    rows_per_step=64, lr=1e-2,
+    num_heads=3,
+    snippets=16,
+    prompt_tokens=8,
+    answer_tokens=16,
+    generation_batch=8,
+    steps=30,
+    rows_per_step=64,
+    lr=1e-2,
 )
 
 
@@ -59,7 +68,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def engine(trained: tuple[Path, Path]) -> Iterator[Engine]:
     target, heads = trained
     config = EngineConfig(
-        target=target, heads=heads, dtype="float32",
+        target=target,
+        heads=heads,
+        dtype="float32",
         speculative=SpeculativeConfig(method="medusa", acceptance_threshold=0.0, min_speedup=0.0),
     )
     eng = Engine.load(config)
@@ -88,8 +99,10 @@ def test_greedy_medusa_equals_plain_decoding(
     def recording(proposal: Proposal, logits: torch.Tensor) -> TreeVerdict:
         verdict = verify_tree_greedy(proposal, logits)
         # Whether the accepted path left the chain of first children (a real tree branch).
-        firsts = {min(i for i, p in enumerate(proposal.parent_indices()) if p == parent)
-                  for parent in set(proposal.parent_indices())}
+        firsts = {
+            min(i for i, p in enumerate(proposal.parent_indices()) if p == parent)
+            for parent in set(proposal.parent_indices())
+        }
         branches.append(any(node not in firsts for node in verdict.path))
         return verdict
 
@@ -127,3 +140,60 @@ def test_heads_for_another_target_version_are_refused(trained: tuple[Path, Path]
         load_heads(heads, head, 64, model.config.vocab_size, "sha256:another")
     message = str(info.value)
     assert "sha256:another" in message and model_version(target) in message
+
+
+def test_medusa_in_a_shared_batch_sees_the_hidden_rows_it_sees_alone(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batched, every Medusa request gets plain decoding's tokens, and its heads are handed
+    the same hidden rows, step by step, as in the one-request loop (engine.decoding)."""
+    assert engine.batching
+    seen: dict[int, list[torch.Tensor]] = {}
+    observe = MedusaProposer.observe_hidden
+
+    def recording(self: MedusaProposer, hidden: torch.Tensor) -> None:
+        seen.setdefault(id(self), []).append(hidden.clone())
+        observe(self, hidden)
+
+    monkeypatch.setattr(MedusaProposer, "observe_hidden", recording)
+    texts = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n    def"]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    built = [
+        GenerationRequest(tuple(engine.tokenizer.encode(t)), params, SpeculativeChoice("medusa", 4))
+        for t in texts
+    ]
+    handles = [engine.submit(request) for request in built]
+    plain_choice = SpeculativeChoice("none")
+    handles.append(engine.submit(GenerationRequest(built[0].prompt_ids, params, plain_choice)))
+    batched = [handle.result() for handle in handles]
+    in_batch = {rows[0].shape[0]: rows for rows in seen.values()}  # by prompt length - 1
+    assert len(in_batch) == len(texts), "give the prompts distinct lengths"
+    for request, result in zip(built, batched, strict=False):
+        plain = engine.generate(GenerationRequest(request.prompt_ids, params, plain_choice))
+        assert result.token_ids == plain.token_ids
+        seen.clear()
+        stats = GenerationStats(method="medusa", num_prompt_tokens=len(request.prompt_ids))
+        prototype = engine._proposers["medusa"]
+        assert isinstance(prototype, MedusaProposer)
+        proposer = MedusaProposer(prototype.heads, prototype.paths)
+        length = SpeculationLength(8, 0.5, PassCosts(), "medusa")
+        runner = ModelRunner(engine.target_model)
+        prompt = list(request.prompt_ids)
+        hidden = decoding.prefill(runner, prompt, want_hidden=True)
+        gen = torch.Generator().manual_seed(0)
+        speculation = decoding.Speculation(
+            proposer, None, length, schedule=tuple(result.stats.proposal_lengths)
+        )
+        alone = [
+            t
+            for step in decoding.decode(
+                runner, prompt, params, gen, stats, speculation, None, None, None, hidden
+            )
+            for t in step
+        ]
+        assert alone == list(result.token_ids)
+        rows_alone = seen[id(proposer)]
+        rows_batched = in_batch[len(prompt) - 1]
+        assert len(rows_alone) == len(rows_batched)
+        for a, b in zip(rows_alone, rows_batched, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)

@@ -21,8 +21,11 @@ Registered as the method ``draft`` (vLLM's ``draft_model``); it loads the model 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from engine.batched_cache import supports_batching
 from engine.loading import (
     check_draft_compatible,
     context_window,
@@ -49,6 +52,109 @@ from engine.types import IncompatibleDraftError, Method, SamplingParams
 from engine.versioning import model_version
 
 
+class DraftHead:
+    """What the draft may propose and how its logits map onto the target's ids."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        target_ids: int,
+        proposable_ids: int,
+        vocabulary: torch.Tensor | None = None,
+    ) -> None:
+        self.target_ids = target_ids
+        self.vocabulary = vocabulary
+        # Ids the draft can read (its input embeddings; the head may be a subset).
+        self.draft_ids = input_rows(model)  # type: ignore[arg-type]
+        # The head rows it may propose from: a prefix, since a subset's ids are sorted.
+        self.rows = (
+            proposable_ids
+            if vocabulary is None
+            else int(torch.searchsorted(vocabulary, proposable_ids).item())
+        )
+
+    def readable(self, tokens: list[int]) -> bool:
+        return all(t < self.draft_ids for t in tokens)
+
+    def token(self, row: int) -> int:
+        return row if self.vocabulary is None else int(self.vocabulary[row])
+
+    def over_target_ids(self, q: torch.Tensor, fill: float) -> torch.Tensor:
+        """Values over the head's rows placed on the target's ids, ``fill`` everywhere else."""
+        if self.vocabulary is None:
+            return torch.nn.functional.pad(q, (0, self.target_ids - len(q)), value=fill)
+        full = q.new_full((self.target_ids,), fill)
+        full[self.vocabulary[: self.rows].to(q.device)] = q
+        return full
+
+
+@dataclass
+class Drafting:
+    """One sequence's proposal being drawn, a token per draft pass, with its own generator."""
+
+    head: DraftHead
+    k: int
+    params: SamplingParams
+    generator: torch.Generator
+    min_confidence: float = 0.0
+    processing: LogitsProcessing | None = None
+    tokens: list[int] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)
+    done: bool = False
+
+    def take(self, logits: torch.Tensor) -> int | None:
+        """Draw the next token from the draft's last logits row; None once the proposal is
+        complete (k tokens, a token it is unsure of, or nothing the constraints allow)."""
+        logits = logits[: self.head.rows]
+        head, params, min_confidence = self.head, self.params, self.min_confidence
+        if self.processing is not None:
+            # Processed over the target's ids, as the target's rows are: the draft's
+            # logits placed on their ids, -inf where the draft cannot propose.
+            full = head.over_target_ids(logits, float("-inf"))
+            full = self.processing.apply(full.unsqueeze(0), [self.tokens])[0]
+            if not torch.isfinite(full.amax()):
+                self.done = True  # the draft has no token the constraints allow here
+                return None
+            index = int(full.argmax().item())
+            if params.greedy:
+                token = index
+                sure = min_confidence <= 0.0 or bool(
+                    torch.softmax(full, dim=-1)[index] >= min_confidence
+                )
+            else:
+                q = probabilities(full, params)
+                token = sample(q, self.generator)
+                self.rows.append(q)
+                sure = bool(q.max() >= min_confidence)
+        elif params.greedy:
+            index = int(logits.argmax().item())
+            token = head.token(index)
+            sure = min_confidence <= 0.0 or bool(
+                torch.softmax(logits, dim=-1)[index] >= min_confidence
+            )
+        else:
+            q = head.over_target_ids(probabilities(logits, params), 0.0)
+            token = sample(q, self.generator)
+            self.rows.append(q)
+            sure = bool(q.max() >= min_confidence)
+        self.tokens.append(token)
+        self.done = not sure or len(self.tokens) >= self.k
+        return None if self.done else token
+
+    def proposal(self) -> Proposal:
+        return Proposal(self.tokens, probs=torch.stack(self.rows) if self.rows else None)
+
+
+def agreeing_prefix(cached: list[int], agreed: int, context: list[int]) -> int:
+    """How much of the draft's cached tokens the committed ``context`` keeps: everything up
+    to ``agreed`` (the context at the last proposal), then as long as they match."""
+    keep = min(agreed, len(cached))
+    limit = min(len(cached), len(context))
+    while keep < limit and cached[keep] == context[keep]:
+        keep += 1
+    return keep
+
+
 class DraftModelProposer:
     method: Method = "draft"
 
@@ -61,17 +167,8 @@ class DraftModelProposer:
         vocabulary: torch.Tensor | None = None,
     ) -> None:
         self.runner = runner
-        self.target_ids = target_ids
+        self.head = DraftHead(runner.model, target_ids, proposable_ids, vocabulary)
         self.window = window
-        self.vocabulary = vocabulary
-        # Ids the draft can read (its input embeddings; the head may be a subset).
-        self.draft_ids = input_rows(runner.model)
-        # The head rows it may propose from: a prefix, since a subset's ids are sorted.
-        self.rows = (
-            proposable_ids
-            if vocabulary is None
-            else int(torch.searchsorted(vocabulary, proposable_ids).item())
-        )
         # Token ids whose keys and values the draft cache holds, position for position.
         self.cached: list[int] = []
         # Length of the committed context at the last proposal: the cache agrees up to here.
@@ -96,65 +193,20 @@ class DraftModelProposer:
         pending = context[len(self.cached) :]
         self.agreed = len(context)
         k = min(k, self.window - len(context))
-        if k <= 0 or any(t >= self.draft_ids for t in pending):
+        if k <= 0 or not self.head.readable(pending):
             return Proposal([])
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        for _ in range(k):
-            logits = self.runner.forward(pending, last_only=True)[-1, : self.rows]
+        drafting = Drafting(self.head, k, params, generator, min_confidence, processing)
+        while True:
+            logits = self.runner.forward(pending, last_only=True)[-1]
             self.cached.extend(pending)
-            if processing is not None:
-                # Processed over the target's ids, as the target's rows are: the draft's
-                # logits placed on their ids, -inf where the draft cannot propose.
-                full = self._over_target_ids(logits, float("-inf"))
-                full = processing.apply(full.unsqueeze(0), [tokens])[0]
-                if not torch.isfinite(full.amax()):
-                    break  # the draft has no token the constraints allow here
-                index = int(full.argmax().item())
-                if params.greedy:
-                    token = index
-                    sure = min_confidence <= 0.0 or bool(
-                        torch.softmax(full, dim=-1)[index] >= min_confidence
-                    )
-                else:
-                    q = probabilities(full, params)
-                    token = sample(q, generator)
-                    rows.append(q)
-                    sure = bool(q.max() >= min_confidence)
-            elif params.greedy:
-                index = int(logits.argmax().item())
-                token = self._token(index)
-                sure = min_confidence <= 0.0 or bool(
-                    torch.softmax(logits, dim=-1)[index] >= min_confidence
-                )
-            else:
-                q = self._over_target_ids(probabilities(logits, params), 0.0)
-                token = sample(q, generator)
-                rows.append(q)
-                sure = bool(q.max() >= min_confidence)
-            tokens.append(token)
-            if not sure:
-                break
+            token = drafting.take(logits)
+            if token is None:
+                return drafting.proposal()
             pending = [token]
-        return Proposal(tokens, probs=torch.stack(rows) if rows else None)
-
-    def _token(self, row: int) -> int:
-        return row if self.vocabulary is None else int(self.vocabulary[row])
-
-    def _over_target_ids(self, q: torch.Tensor, fill: float) -> torch.Tensor:
-        """Values over the head's rows placed on the target's ids, ``fill`` everywhere else."""
-        if self.vocabulary is None:
-            return torch.nn.functional.pad(q, (0, self.target_ids - len(q)), value=fill)
-        full = q.new_full((self.target_ids,), fill)
-        full[self.vocabulary[: self.rows].to(q.device)] = q
-        return full
 
     def accepted(self, context: list[int]) -> None:
         # Keep the cached prefix that agrees with the committed context; drop the rest.
-        keep = min(self.agreed, len(self.cached))
-        limit = min(len(self.cached), len(context))
-        while keep < limit and self.cached[keep] == context[keep]:
-            keep += 1
+        keep = agreeing_prefix(self.cached, self.agreed, context)
         self.runner.truncate(keep)
         del self.cached[keep:]
 
@@ -194,6 +246,26 @@ def _load(context: LoadContext) -> LoadedMethod:
     if vocabulary is not None:
         restrict_head(draft, vocabulary)
     proposable = min(len(context.tokenizer), input_rows(draft), target_ids)
+    if supports_batching(target.config) and supports_batching(draft.config):
+        # One draft cache with a slot per running sequence: a step drafts for all of them in
+        # shared passes (engine.proposers.batched_draft); one more slot for the engine's own
+        # proposer instance. Imported here: batched_draft builds on this module.
+        from engine.proposers.batched_draft import BatchedDraft, BatchedDraftProposer
+
+        drafts = BatchedDraft(
+            draft,
+            config.max_num_seqs + 1,
+            target_ids=target_ids,
+            proposable_ids=proposable,
+            window=window,
+            vocabulary=vocabulary,
+            invariant=config.batch_invariant,
+        )
+        return LoadedMethod(
+            lambda: BatchedDraftProposer(drafts),
+            artefacts,
+            calibrate=lambda _proposer: ModelRunner(draft),
+        )
     return LoadedMethod(
         lambda: DraftModelProposer(
             ModelRunner(draft),

@@ -152,7 +152,6 @@ def _load(context: LoadContext) -> LoadedMethod:
     return LoadedMethod(
         lambda: MedusaProposer(heads, tree, trees_allowed=trees_allowed),
         (Artefact("medusa_heads", directory.name, model_version(directory)),),
-        batching_blocked_by="Medusa heads need hidden states per pass",
     )
 
 

@@ -1,0 +1,159 @@
+"""A draft model drafting for every sequence of a batch in shared passes.
+
+``BatchedDraft`` owns one slot cache of the draft model (``engine.batched_runner``); each
+request that drafts holds a ``BatchedDraftProposer``, a slot in it. ``BatchedDraft.propose``
+takes every drafting sequence of a step and runs one draft pass per draft position over all
+of them: the first feeds what each sequence's draft cache lacks (its last committed token,
+plus any accepted tokens the draft never saw), the next ones the token each has just drawn.
+A sequence leaves the pass once its proposal is complete (its k, a token it is unsure of,
+nothing the constraints allow). Each token is drawn exactly as ``DraftModelProposer`` draws
+it (``Drafting``), from the sequence's own generator, so a sequence's draws do not depend on
+what else drafts beside it.
+
+A sequence whose draft cache lacks many tokens (the prompt, at its first proposal) catches
+up in a pass of its own first: in the padded batch its rows would widen everyone's pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.batched_runner import BatchedRunner, Feed
+from engine.logits_processors import LogitsProcessing
+from engine.proposers.base import Proposal
+from engine.proposers.draft import DraftHead, Drafting, agreeing_prefix
+from engine.types import Method, SamplingParams
+
+# A sequence lacking more than this many tokens in its draft cache catches up alone first.
+SHARED_PENDING_ROWS = 4
+
+
+class BatchedDraft:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        max_slots: int,
+        target_ids: int,
+        proposable_ids: int,
+        window: int,
+        vocabulary: torch.Tensor | None = None,
+        invariant: bool = False,
+    ) -> None:
+        self.runner = BatchedRunner(model, max_slots, invariant)
+        self.head = DraftHead(model, target_ids, proposable_ids, vocabulary)
+        self.window = window
+        self._free = list(range(max_slots))
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise RuntimeError("every draft slot is taken")
+        slot = self._free.pop(0)
+        self.runner.release(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.runner.release(slot)
+        self._free.append(slot)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        """Every request's proposal, drafted in shared passes."""
+        proposals = [Proposal([]) for _ in requests]
+        live: list[tuple[int, int, BatchedDraftProposer, list[int], Drafting]] = []
+        for index, request in enumerate(requests):
+            proposer, context = request.proposer, request.context
+            assert proposer.slot is not None, "start() the proposer first"
+            pending = context[len(proposer.cached) :]
+            proposer.agreed = len(context)
+            k = min(request.k, self.window - len(context))
+            if k <= 0 or not self.head.readable(pending):
+                continue
+            slot = proposer.slot
+            if len(pending) > SHARED_PENDING_ROWS:
+                self.runner.forward([Feed(slot, pending[:-1])], last_only=True)
+                proposer.cached.extend(pending[:-1])
+                pending = pending[-1:]
+            drafting = Drafting(
+                self.head,
+                k,
+                request.params,
+                request.generator,
+                request.min_confidence,
+                request.processing,
+            )
+            live.append((index, slot, proposer, pending, drafting))
+        while live:
+            logits = self.runner.forward([Feed(slot, pending) for _, slot, _, pending, _ in live])
+            still = []
+            for (index, slot, proposer, pending, drafting), rows in zip(live, logits, strict=True):
+                proposer.cached.extend(pending)
+                token = drafting.take(rows[-1])
+                if token is None:
+                    proposals[index] = drafting.proposal()
+                else:
+                    still.append((index, slot, proposer, [token], drafting))
+            live = still
+        return proposals
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence's part of a shared drafting step (``Proposer.propose``'s arguments)."""
+
+    proposer: BatchedDraftProposer
+    context: list[int]
+    k: int
+    params: SamplingParams
+    generator: torch.Generator
+    min_confidence: float = 0.0
+    processing: LogitsProcessing | None = None
+
+
+class BatchedDraftProposer:
+    """One request's place in a ``BatchedDraft``: a draft cache slot and what it holds."""
+
+    method: Method = "draft"
+
+    def __init__(self, drafts: BatchedDraft) -> None:
+        self.drafts = drafts
+        self.slot: int | None = None
+        self.cached: list[int] = []  # token ids the slot holds, position for position
+        self.agreed = 0  # length of the committed context at the last proposal
+
+    @property
+    def runner(self) -> BatchedRunner:
+        """The shared draft runner (its ``model`` is the draft model)."""
+        return self.drafts.runner
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.finish()
+        self.slot = self.drafts.acquire()
+
+    def finish(self) -> None:
+        """The request is done: its slot goes back to the pool."""
+        if self.slot is not None:
+            self.drafts.release(self.slot)
+            self.slot = None
+        self.cached = []
+        self.agreed = 0
+
+    def propose(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        min_confidence: float = 0.0,
+        processing: LogitsProcessing | None = None,
+    ) -> Proposal:
+        """This request alone (the shared path is ``BatchedDraft.propose``)."""
+        request = DraftRequest(self, context, k, params, generator, min_confidence, processing)
+        return self.drafts.propose([request])[0]
+
+    def accepted(self, context: list[int]) -> None:
+        keep = agreeing_prefix(self.cached, self.agreed, context)
+        assert self.slot is not None
+        self.drafts.runner.truncate(self.slot, keep)
+        del self.cached[keep:]
