@@ -25,9 +25,9 @@ def generate(
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 64,
     draft: Annotated[Path | None, typer.Option(help="Draft model directory.")] = None,
     heads: Annotated[
-        Path | None, typer.Option(help="Medusa heads directory (specgate heads train).")
+        Path | None, typer.Option(help="Medusa or EAGLE heads directory (specgate heads train).")
     ] = None,
-    method: Annotated[str, typer.Option(help="none | ngram | draft | medusa")] = "none",
+    method: Annotated[str, typer.Option(help="none | ngram | draft | medusa | eagle")] = "none",
     num_speculative_tokens: Annotated[
         int | None, typer.Option(help="Fixed k; adaptive when left out.")
     ] = None,

@@ -18,7 +18,10 @@ _VLLM_METHODS: dict[str, Method] = {
     "draft_model": "draft",
     "draft": "draft",
     "medusa": "medusa",
+    "eagle": "eagle",
 }
+# Methods whose ``model`` in vLLM's config is an artefact directory (a draft model, heads).
+_VLLM_MODEL_METHODS: frozenset[Method] = frozenset({"draft", "medusa", "eagle"})
 
 
 class SpeculativeConfig(BaseModel):
@@ -60,6 +63,19 @@ class SpeculativeConfig(BaseModel):
         description="Medusa's static tree as paths of top-k ranks, e.g. [[0], [1], [0, 0]] "
         "(each after its parent); None: the built-in tree (engine.proposers.medusa).",
     )
+    num_steps: int = Field(
+        default=5, ge=1, le=16, description="EAGLE-2: depth levels the draft tree grows "
+        "(SGLang's speculative_num_steps)."
+    )
+    eagle_topk: int = Field(
+        default=4, ge=1, le=16, description="EAGLE-2: children per expanded node, and nodes "
+        "expanded per level (SGLang's speculative_eagle_topk)."
+    )
+    num_draft_tokens: int = Field(
+        default=16, ge=1, le=16, description="EAGLE-2: nodes kept after re-ranking by "
+        "cumulative draft probability (SGLang's speculative_num_draft_tokens); k, fixed or "
+        "adaptive, bounds it further."
+    )
     acceptance_thresholds: dict[Method, float] = Field(
         default_factory=dict,
         description="Acceptance threshold per method, overriding acceptance_threshold (e.g. "
@@ -100,7 +116,8 @@ class EngineConfig(BaseModel):
     target: Path
     draft: Path | None = None
     heads: Path | None = Field(
-        default=None, description="Medusa heads trained on the target (specgate heads train)."
+        default=None,
+        description="Medusa or EAGLE heads trained on the target (specgate heads train).",
     )
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     dtype: DType = "auto"
@@ -152,8 +169,9 @@ class EngineConfig(BaseModel):
     def _draft_needed(self) -> EngineConfig:
         if self.speculative.method == "draft" and self.draft is None:
             raise ValueError("speculative.method 'draft' needs a draft model directory")
-        if self.speculative.method == "medusa" and self.heads is None:
-            raise ValueError("speculative.method 'medusa' needs a heads directory")
+        if self.speculative.method in ("medusa", "eagle") and self.heads is None:
+            method = self.speculative.method
+            raise ValueError(f"speculative.method {method!r} needs a heads directory")
         return self
 
 
@@ -161,7 +179,7 @@ def speculative_config_from_vllm(
     text_or_obj: str | dict[str, Any],
 ) -> tuple[SpeculativeConfig, Path | None]:
     """Read vLLM's ``--speculative-config`` JSON; returns our config and its ``model`` path
-    (the draft model, or for ``medusa`` the heads directory).
+    (the draft model, or for ``medusa`` and ``eagle`` the heads directory).
 
     Only the keys Specgate implements are accepted; anything else is an error that names it,
     so that an operator never believes a setting was carried over when it was not.
@@ -197,7 +215,7 @@ def speculative_config_from_vllm(
         fields["prompt_lookup_min"] = min(1, fields["prompt_lookup_max"])
     if "disable_by_batch_size" in obj:
         fields["disable_by_queue_depth"] = obj["disable_by_batch_size"]
-    model = Path(obj["model"]) if method in ("draft", "medusa") and obj.get("model") else None
-    if method in ("draft", "medusa") and model is None:
+    model = Path(obj["model"]) if method in _VLLM_MODEL_METHODS and obj.get("model") else None
+    if method in _VLLM_MODEL_METHODS and model is None:
         raise ValueError(f"--speculative-config method {method_name!r} needs 'model'")
     return SpeculativeConfig(**fields), model

@@ -30,6 +30,8 @@ from engine.compat import continues_exactly
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill
 from engine.grammar import Grammars
+from engine.heads import heads_method
+from engine.heads.eagle import EagleDraft, load_eagle
 from engine.heads.medusa import MedusaHeads, load_heads
 from engine.loading import (
     check_draft_compatible,
@@ -45,6 +47,7 @@ from engine.logprobs import LogprobRecorder
 from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
 from engine.proposers import DraftModelProposer, NgramProposer, Proposer
+from engine.proposers.eagle import EagleProposer, EagleTree
 from engine.proposers.medusa import DEFAULT_MEDUSA_TREE, MedusaProposer
 from engine.proposers.translating import TranslatingDraftProposer
 from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
@@ -210,7 +213,7 @@ class Engine:
         on_fallback: FallbackListener | None = None,
         draft_tokenizer: PreTrainedTokenizerBase | None = None,
         draft_vocabulary: torch.Tensor | None = None,
-        heads: MedusaHeads | None = None,
+        heads: MedusaHeads | EagleDraft | None = None,
         heads_version: str | None = None,
     ) -> None:
         """``draft_tokenizer`` given: the draft has its own tokenizer, and proposes through
@@ -228,7 +231,11 @@ class Engine:
             {"kind": kind, "name": path.name, "version": version}
             for kind, path, version in (
                 ("draft_model", config.draft, draft_version),
-                ("medusa_heads", config.heads, heads_version),
+                (
+                    "eagle_heads" if isinstance(heads, EagleDraft) else "medusa_heads",
+                    config.heads,
+                    heads_version,
+                ),
             )
             if path is not None and version is not None
         )
@@ -262,7 +269,13 @@ class Engine:
                 window=context_window(draft.config),
                 vocabulary=draft_vocabulary,
             )
-        if heads is not None:
+        if isinstance(heads, EagleDraft):
+            eagle_draft = heads
+            eagle_tree = EagleTree(spec.num_steps, spec.eagle_topk, spec.num_draft_tokens)
+            self._new_proposer["eagle"] = lambda: EagleProposer(
+                eagle_draft, eagle_tree, trees_allowed=self._target.supports_trees
+            )
+        elif heads is not None:
             medusa_heads = heads
             tree = spec.medusa_tree
             medusa_tree = (
@@ -285,7 +298,7 @@ class Engine:
             else "sliding-window, chunked or recurrent layers"
         )
         if self._batching_blocked_by is None and heads is not None:
-            self._batching_blocked_by = "Medusa heads need hidden states per pass"
+            self._batching_blocked_by = "Medusa and EAGLE heads need hidden states per pass"
         self.batching = self._batching_blocked_by is None
         self._batched = BatchedRunner(target, config.max_num_seqs) if self.batching else None
         self.available_methods: tuple[Method, ...] = ("none", *self._proposers)
@@ -344,9 +357,10 @@ class Engine:
             if draft_vocabulary is not None:
                 restrict_head(draft, draft_vocabulary)
         target_version = model_version(config.target)
-        heads = heads_version = None
+        heads: MedusaHeads | EagleDraft | None = None
+        heads_version = None
         if config.heads is not None:
-            heads = _load_medusa(config.heads, target, target_version)
+            heads = _load_heads(config.heads, target, target_version)
             heads_version = model_version(config.heads)
         return cls(
             config,
@@ -732,12 +746,20 @@ def _validate_processors(params: SamplingParams, vocab_size: int) -> None:
         )
 
 
-def _load_medusa(heads_dir: Path, target: PreTrainedModel, target_version: str) -> MedusaHeads:
+def _load_heads(
+    heads_dir: Path, target: PreTrainedModel, target_version: str
+) -> MedusaHeads | EagleDraft:
+    """Medusa heads or an EAGLE draft (by the directory's config), on the target's device."""
     head = target.get_output_embeddings()
     assert isinstance(head, torch.nn.Module)
-    heads = load_heads(
-        heads_dir, head, int(target.config.hidden_size), embedding_rows(target), target_version
-    )
+    hidden, rows = int(target.config.hidden_size), embedding_rows(target)
+    heads: MedusaHeads | EagleDraft
+    if heads_method(heads_dir) == "eagle":
+        embed = target.get_input_embeddings()
+        assert isinstance(embed, torch.nn.Module)
+        heads = load_eagle(heads_dir, embed, head, hidden, rows, target_version)
+    else:
+        heads = load_heads(heads_dir, head, hidden, rows, target_version)
     return heads.to(device=target.device, dtype=target.dtype)
 
 

@@ -9,12 +9,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-Method = Literal["none", "ngram", "draft", "medusa"]
-METHODS: tuple[Method, ...] = ("none", "ngram", "draft", "medusa")
+Method = Literal["none", "ngram", "draft", "medusa", "eagle"]
+METHODS: tuple[Method, ...] = ("none", "ngram", "draft", "medusa", "eagle")
 # Proposers that run a model: their proposals cost time, so a low acceptance rate alone
 # says they do not pay (the default acceptance threshold applies to them only).
-# Medusa is not among them: its acceptance rate counts every node of a tree, most of which
-# are alternatives that cannot all be accepted, so it is judged on its estimated speedup.
+# Medusa and EAGLE are not among them: their acceptance rate counts every node of a tree,
+# most of which are alternatives that cannot all be accepted, so they are judged on their
+# estimated speedup.
 MODEL_BASED_METHODS: frozenset[Method] = frozenset({"draft"})
 FinishReason = Literal["stop", "length"]
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]

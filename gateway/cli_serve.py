@@ -18,10 +18,10 @@ def serve(
     ] = None,
     draft: Annotated[Path | None, typer.Option(help="Draft model directory.")] = None,
     heads: Annotated[
-        Path | None, typer.Option(help="Medusa heads directory (specgate heads train).")
+        Path | None, typer.Option(help="Medusa or EAGLE heads directory (specgate heads train).")
     ] = None,
     method: Annotated[
-        str | None, typer.Option(help="Default speculation: none, ngram, draft or medusa.")
+        str | None, typer.Option(help="Default speculation: none, ngram, draft, medusa or eagle.")
     ] = None,
     num_speculative_tokens: Annotated[
         int | None, typer.Option(help="Fixed K; unset lets the engine adapt K.")

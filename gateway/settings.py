@@ -21,6 +21,7 @@ from pydantic_settings import (
 )
 
 from engine.config import DType, EngineConfig, SpeculativeConfig, speculative_config_from_vllm
+from engine.heads import heads_method
 from engine.types import Method
 from gateway.audit.log import APPEND_LOCK_TIMEOUT_S
 from gateway.audit.signing import DEFAULT_ORIGIN
@@ -109,7 +110,7 @@ class Settings(BaseSettings):
     )
     draft: Path | None = None
     heads: Path | None = Field(
-        default=None, description="Medusa heads directory (specgate heads train)."
+        default=None, description="Medusa or EAGLE heads directory (specgate heads train)."
     )
     method: Method | None = Field(
         default=None,
@@ -452,7 +453,7 @@ def engine_config(settings: Settings) -> EngineConfig:
     draft, heads = settings.draft, settings.heads
     if settings.speculative_config is not None:
         speculative, vllm_model = speculative_config_from_vllm(settings.speculative_config)
-        if speculative.method == "medusa":
+        if speculative.method in ("medusa", "eagle"):
             heads = heads or vllm_model
         else:
             draft = draft or vllm_model
@@ -470,7 +471,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         # The demo serves with n-gram lookup until its draft is built.
         method = (
             "draft" if draft is not None
-            else "medusa" if heads is not None
+            else heads_method(heads) if heads is not None
             else "ngram" if demo_without_draft
             else "none"
         )
