@@ -437,8 +437,8 @@ def test_vllm_speculative_config_is_accepted() -> None:
         {"method": "draft_model", "model": "/models/d", "num_speculative_tokens": 3}
     )
     assert (spec.method, draft) == ("draft", Path("/models/d"))
-    with pytest.raises(ValueError, match="eagle"):
-        speculative_config_from_vllm({"method": "eagle", "model": "x"})
+    with pytest.raises(ValueError, match="eagle3"):
+        speculative_config_from_vllm({"method": "eagle3", "model": "x"})
     with pytest.raises(ValueError, match="typo_key"):
         speculative_config_from_vllm({"method": "ngram", "typo_key": 1})
 

@@ -377,3 +377,31 @@ def test_grown_tree_is_valid_and_ranked(
         assert math.isclose(score, expected, abs_tol=1e-5)
     reference = _brute_force(lambda path: _log_probs(seed, path), tree, budget)
     assert set(paths) == set(reference)
+
+
+def test_heads_cli_trains_eagle_and_serve_settings_pick_it(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from gateway.cli import app
+    from gateway.settings import engine_config, load_settings
+
+    target, heads = trained
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "code.txt").write_text("".join(SAMPLE_TEXT))
+    out = tmp_path / "cli-heads"
+    result = CliRunner().invoke(
+        app,
+        ["heads", "train", "--method", "eagle", "--target", str(target), "--out", str(out),
+         "--data", str(data), "--snippets", "4", "--steps", "2", "--seed", "3"],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "training.json").read_text())
+    assert (summary["method"], summary["target_model_version"]) == (
+        "eagle", model_version(target)
+    )
+    assert heads_method(out) == "eagle"
+    # --heads alone: the default method follows the directory's kind.
+    assert engine_config(load_settings(target=target, heads=heads)).speculative.method == "eagle"
