@@ -24,6 +24,9 @@ def train(
     seed: Annotated[int, typer.Option(help="Seed of the data order and the heads.")] = 0,
     num_heads: Annotated[int, typer.Option(help="medusa_num_heads (Medusa only)")] = 4,
     snippets: Annotated[int, typer.Option(help="Prompts the target continues.")] = 256,
+    rows_per_step: Annotated[
+        int, typer.Option(help="Positions per step (EAGLE: of the token loss).")
+    ] = 256,
 ) -> None:
     """Train heads on the target's own continuations; deterministic for a given seed."""
     if method not in ("medusa", "eagle"):
@@ -44,7 +47,10 @@ def train(
     from engine.loading import load_model, load_tokenizer
     from engine.versioning import model_version
 
-    spec = HeadsSpec(num_heads=num_heads, steps=steps, seed=seed, snippets=snippets)
+    spec = HeadsSpec(
+        num_heads=num_heads, steps=steps, seed=seed, snippets=snippets,
+        rows_per_step=rows_per_step,
+    )
     started = time.perf_counter()
     tokenizer = load_tokenizer(target)
     model = load_model(target, torch.device("cpu"), "float32")

@@ -174,7 +174,8 @@ def train_eagle(
 
     Each step takes whole sequences: at position t the draft reads the target's feature f_t
     (plus noise) and the token x_{t+1}, and learns f_{t+1} (smooth L1) and, through the
-    target's LM head, x_{t+2} where the target wrote it itself (the continuation)."""
+    target's LM head, x_{t+2} where the target wrote it itself (the continuation), at
+    ``rows_per_step`` positions drawn from those."""
     ids, hidden, lm_head = _distillation_data(target, tokenizer, texts, spec, progress)
     embed = target.get_input_embeddings()
     assert isinstance(embed, torch.nn.Module)
@@ -199,8 +200,11 @@ def train_eagle(
         noise = torch.rand(features.shape, generator=generator) * 2 - 1
         predicted, _, _ = draft(features + noise * spec.feature_noise, ids[pick, 1:], positions)
         regression = F.smooth_l1_loss(predicted, hidden[pick, 1:])
-        logits = draft.logits(predicted[:, first : length - 2]).float()
-        tokens = F.cross_entropy(logits.flatten(0, 1), ids[pick, first + 2 :].flatten())
+        # The LM head dominates a step's cost: the token loss takes rows_per_step of them.
+        rows = predicted[:, first : length - 2].flatten(0, 1)
+        labels = ids[pick, first + 2 :].flatten()
+        keep = torch.randperm(rows.shape[0], generator=generator)[: spec.rows_per_step]
+        tokens = F.cross_entropy(draft.logits(rows[keep]).float(), labels[keep])
         loss = regression + spec.token_loss_weight * tokens
         loss.backward()
         optimizer.step()
