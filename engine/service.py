@@ -32,7 +32,7 @@ from engine.decoding import Speculation, decode, prefill
 from engine.grammar import Grammars
 from engine.heads import heads_method
 from engine.heads.eagle import EagleDraft, load_eagle
-from engine.heads.medusa import MedusaHeads, load_heads
+from engine.heads.medusa import HeadsMismatchError, MedusaHeads, load_heads
 from engine.loading import (
     check_draft_compatible,
     context_window,
@@ -360,6 +360,12 @@ class Engine:
         heads: MedusaHeads | EagleDraft | None = None
         heads_version = None
         if config.heads is not None:
+            method, kind = config.speculative.method, heads_method(config.heads)
+            if method in ("medusa", "eagle") and method != kind:
+                raise HeadsMismatchError(
+                    f"speculative.method {method!r} needs {method} heads, but {config.heads} "
+                    f"holds {kind} heads"
+                )
             heads = _load_heads(config.heads, target, target_version)
             heads_version = model_version(config.heads)
         return cls(

@@ -405,3 +405,18 @@ def test_heads_cli_trains_eagle_and_serve_settings_pick_it(
     assert heads_method(out) == "eagle"
     # --heads alone: the default method follows the directory's kind.
     assert engine_config(load_settings(target=target, heads=heads)).speculative.method == "eagle"
+
+
+def test_eagle_method_with_medusa_heads_is_refused_naming_both(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, _ = trained
+    medusa = tmp_path / "medusa"
+    medusa.mkdir()
+    (medusa / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "hidden_size": 64}))
+    config = EngineConfig(
+        target=target, heads=medusa, dtype="float32",
+        speculative=SpeculativeConfig(method="eagle"),
+    )
+    with pytest.raises(HeadsMismatchError, match=r"needs eagle heads.*holds medusa heads"):
+        Engine.load(config)
