@@ -18,7 +18,7 @@ def bench(
         Path | None, typer.Option(help="Draft model directory (default: the demo pair's).")
     ] = None,
     heads: Annotated[
-        Path | None, typer.Option(help="Medusa heads directory (specgate heads train).")
+        Path | None, typer.Option(help="Medusa or EAGLE heads directory (specgate heads train).")
     ] = None,
     prompts: Annotated[
         Path | None,

@@ -25,7 +25,7 @@ def generate(
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 64,
     draft: Annotated[Path | None, typer.Option(help="Draft model directory.")] = None,
     heads: Annotated[
-        Path | None, typer.Option(help="Heads directory, e.g. Medusa's (specgate heads train).")
+        Path | None, typer.Option(help="Medusa or EAGLE heads directory (specgate heads train).")
     ] = None,
     method: Annotated[
         str, typer.Option(help="A registered speculation method (engine.methods); none: plain.")

@@ -113,7 +113,7 @@ class EngineConfig(BaseModel):
     draft: Path | None = None
     heads: Path | None = Field(
         default=None,
-        description="Heads trained on the target, e.g. Medusa's (specgate heads train).",
+        description="Medusa or EAGLE heads trained on the target (specgate heads train).",
     )
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     dtype: DType = "auto"

@@ -18,11 +18,11 @@ def serve(
     ] = None,
     draft: Annotated[Path | None, typer.Option(help="Draft model directory.")] = None,
     heads: Annotated[
-        Path | None, typer.Option(help="Medusa heads directory (specgate heads train).")
+        Path | None, typer.Option(help="Medusa or EAGLE heads directory (specgate heads train).")
     ] = None,
     method: Annotated[
         str | None,
-        typer.Option(help="Default speculation: none, ngram, draft, medusa (engine.methods)."),
+        typer.Option(help="Default speculation: none or a registered method (engine.methods)."),
     ] = None,
     num_speculative_tokens: Annotated[
         int | None, typer.Option(help="Fixed K; unset lets the engine adapt K.")

@@ -118,7 +118,7 @@ class Settings(BaseSettings):
     )
     draft: Path | None = None
     heads: Path | None = Field(
-        default=None, description="Medusa heads directory (specgate heads train)."
+        default=None, description="Medusa or EAGLE heads directory (specgate heads train)."
     )
     method: RegisteredMethod | None = Field(
         default=None,

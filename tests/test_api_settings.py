@@ -71,7 +71,7 @@ def test_defaults_live_in_the_data_directory(tmp_path: Path) -> None:
     ("yaml_text", "field"),
     [
         ("port: eighty\n", "port"),
-        ("method: eagle\n", "method"),
+        ("method: lookahead\n", "method"),
         ("prot: 80\n", "prot"),
         ("database_url: mysql://db/audit\n", "database_url"),
         ('speculative_config: \'{"method": "medusa"}\'\n', "speculative_config"),
@@ -234,7 +234,7 @@ def test_serve_stops_on_invalid_configuration_naming_the_field(tmp_path: Path) -
     app.command()(serve)
     runner = CliRunner()
     bad_method = runner.invoke(
-        app, ["--target", str(fake_model(tmp_path / "t")), "--method", "eagle"]
+        app, ["--target", str(fake_model(tmp_path / "t")), "--method", "lookahead"]
     )
     assert bad_method.exit_code == 2
     assert "invalid configuration: method:" in bad_method.output

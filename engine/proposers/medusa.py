@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.heads import heads_method
 from engine.heads.medusa import HeadsMismatchError, MedusaHeads, load_heads, read_config
 from engine.loading import embedding_rows
 from engine.logits_processors import LogitsProcessing
@@ -135,6 +136,11 @@ def _load(context: LoadContext) -> LoadedMethod:
     refused (``engine.heads.medusa.load_heads``)."""
     directory = context.artefact_dir(MEDUSA)
     assert directory is not None  # EngineConfig refuses the method without one
+    if heads_method(directory) != "medusa":
+        raise HeadsMismatchError(
+            f"speculative.method 'medusa' needs medusa heads, but {directory} holds "
+            f"{heads_method(directory)} heads"
+        )
     target = context.target
     head = target.get_output_embeddings()
     assert isinstance(head, torch.nn.Module)

@@ -1,0 +1,422 @@
+"""EAGLE-2 on a tiny target: a draft trained a few steps here, then lossless in use.
+
+Greedy speculation with the draft's dynamic tree must give plain decoding's tokens exactly
+(adaptive and fixed sizes, and a side branch must have been accepted); sampled speculation
+must draw the first two tokens from the target's exact distribution (the chi-square test of
+tests/test_engine_sampling.py); the grown tree must be a valid tree ranked by cumulative
+draft probability and equal a brute-force EAGLE-2 expansion; the draft's incremental cache
+must equal a fresh pass; drafts trained on another version of the target are refused,
+naming both versions; training is deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import decoding
+from engine.config import EngineConfig, SpeculativeConfig, speculative_config_from_vllm
+from engine.heads import heads_method
+from engine.heads.eagle import EagleDraft, HeadsMismatchError, load_eagle
+from engine.heads.train import HeadsSpec, hidden_states, train_eagle
+from engine.loading import load_model, load_tokenizer
+from engine.proposers import eagle as eagle_proposer
+from engine.proposers.base import Proposal
+from engine.proposers.eagle import DraftTree, EagleProposer, EagleTree, grow_tree
+from engine.sampling import TreeVerdict, verify_tree_greedy
+from engine.service import Engine
+from engine.tree import check_parents, children, depths, path_to
+from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.versioning import model_version
+from tests.test_engine_sampling import (
+    SIGNIFICANCE,
+    chi_square_p_value,
+    draw,
+    exact_pair_distribution,
+)
+from tests.tiny_models import SAMPLE_TEXT, build_model, build_tokenizer
+
+SPEC = HeadsSpec(
+    snippets=16, prompt_tokens=8, answer_tokens=24, generation_batch=8, steps=40, lr=3e-3,
+    sequences_per_step=4, token_loss_weight=1.0,
+)
+PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n    def"]
+
+
+def quiet(*_args: object) -> None:
+    return None
+
+
+def _train(target: Path) -> tuple[EagleDraft, list[float]]:
+    model = load_model(target, torch.device("cpu"), "float32")
+    return train_eagle(
+        model, load_tokenizer(target), SAMPLE_TEXT, SPEC, model_version(target), target.name,
+        quiet,
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("eagle")
+    target = build_model(root / "target", build_tokenizer(), seed=0, hidden=64, layers=2)
+    draft, losses = _train(target)
+    assert losses[-1] < losses[0], f"training did not lower the loss: {losses}"
+    draft.save(root / "heads")
+    return target, root / "heads"
+
+
+def _engine(target: Path, heads: Path, tree: dict[str, int] | None = None) -> Engine:
+    speculative = {"method": "eagle", "acceptance_threshold": 0.0, "min_speedup": 0.0}
+    config = EngineConfig(
+        target=target, heads=heads, dtype="float32",
+        speculative=SpeculativeConfig.model_validate({**speculative, **(tree or {})}),
+    )
+    return Engine.load(config)
+
+
+@pytest.fixture(scope="module")
+def engine(trained: tuple[Path, Path]) -> Iterator[Engine]:
+    eng = _engine(*trained)
+    yield eng
+    eng.close()
+
+
+def test_training_is_deterministic(trained: tuple[Path, Path], tmp_path: Path) -> None:
+    target, heads = trained
+    again, _ = _train(target)
+    again.save(tmp_path / "again")
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (
+        heads / "model.safetensors"
+    ).read_bytes()
+
+
+def test_saved_in_speculators_format_and_loads_back(trained: tuple[Path, Path]) -> None:
+    target, heads = trained
+    config = json.loads((heads / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle"
+    assert config["speculators_config"]["algorithm"] == "eagle"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == target.name
+    assert config["transformer_layer_config"]["hidden_size"] == 64
+    assert config["target_model_version"] == model_version(target)
+    assert heads_method(heads) == "eagle"
+
+    model = load_model(target, torch.device("cpu"), "float32")
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    loaded = load_eagle(heads, embed, head, 64, model.config.vocab_size, model_version(target))
+    trained_again, _ = _train(target)
+    for name, tensor in trained_again.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    features = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(0))
+    ids, positions = torch.tensor([[5, 6, 7, 8, 9]]), torch.arange(5)
+    with torch.inference_mode():
+        assert torch.equal(
+            loaded(features, ids, positions)[0], trained_again.eval()(features, ids, positions)[0]
+        )
+
+
+def test_heads_for_another_target_version_are_refused(trained: tuple[Path, Path]) -> None:
+    target, heads = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    with pytest.raises(HeadsMismatchError) as info:
+        load_eagle(
+            heads, model.get_input_embeddings(), head, 64, model.config.vocab_size,
+            "sha256:another",
+        )
+    message = str(info.value)
+    assert "sha256:another" in message and model_version(target) in message
+
+
+def test_incremental_draft_cache_equals_a_fresh_pass(trained: tuple[Path, Path]) -> None:
+    """Features fed in pieces, with a tree proposed (and rolled back) between them, give the
+    draft the same prediction as one pass over the whole sequence."""
+    target, heads = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    draft = load_eagle(
+        heads, model.get_input_embeddings(), head, 64, model.config.vocab_size,
+        model_version(target),
+    )
+    tokens = load_tokenizer(target).encode("class Point:\n    def __init__(self, x, y):")
+    hidden = hidden_states(model, [tokens])[0]
+    proposer = EagleProposer(draft)
+    proposer.start(tokens[:5])
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    generator = torch.Generator()
+    for end in (5, 6, 9, len(tokens)):
+        fed = proposer._fed
+        proposer.observe_hidden(hidden[fed : end - 1])
+        proposer.propose(tokens[:end], 8, params, generator)
+        assert proposer._cache.length == end - 1  # the tree's rows were rolled back
+        proposer.accepted(tokens[:end])
+    with torch.inference_mode():
+        fresh, _, _ = draft(
+            hidden[None, :-1], torch.tensor([tokens[1:]]), torch.arange(len(tokens) - 1)
+        )
+    assert proposer._last is not None
+    torch.testing.assert_close(proposer._last, fresh[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def _fresh_log_probs(
+    draft: EagleDraft, tokens: list[int], features: torch.Tensor
+) -> Callable[[tuple[int, ...]], torch.Tensor]:
+    """The draft's distribution after ``tokens`` plus a path, from cache-less passes over the
+    whole sequence: the target's features of the committed positions, then the draft's own
+    predicted feature before each path token (what EAGLE feeds at depth 2 and deeper)."""
+
+    @torch.inference_mode()
+    def log_probs(path: tuple[int, ...]) -> torch.Tensor:
+        fed = list(features[: len(tokens) - 1])
+        for depth in range(len(path) + 1):
+            ids = torch.tensor([[*tokens[1:], *path[:depth]]])
+            out, _, _ = draft(torch.stack(fed)[None], ids, torch.arange(ids.shape[1]))
+            fed.append(out[0, -1])
+        return torch.log_softmax(draft.logits(fed[-1]).float(), dim=-1)
+
+    return log_probs
+
+
+@pytest.mark.parametrize(("steps", "topk", "budget"), [(4, 3, 10), (3, 2, 6), (5, 1, 5)])
+def test_proposed_tree_equals_eagle2_over_fresh_draft_passes(
+    trained: tuple[Path, Path], steps: int, topk: int, budget: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The proposer's tree (one draft pass per level, tree mask, cached prefix) equals
+    EAGLE-2's expansion where every path's distribution comes from a fresh pass."""
+    target, heads = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    draft = load_eagle(
+        heads, model.get_input_embeddings(), head, 64, model.config.vocab_size,
+        model_version(target),
+    )
+    tokens = load_tokenizer(target).encode("for i in range(10):\n    print(i")
+    hidden = hidden_states(model, [tokens])[0]
+    tree = EagleTree(steps, topk, budget)
+    grown: list[DraftTree] = []
+
+    def recording(*args: Any) -> DraftTree:
+        grown.append(grow_tree(*args))
+        return grown[-1]
+
+    monkeypatch.setattr(eagle_proposer, "grow_tree", recording)
+    proposer = EagleProposer(draft, tree)
+    proposer.start(tokens)
+    proposer.observe_hidden(hidden[: len(tokens) - 1])
+    proposal = proposer.propose(tokens, budget, SamplingParams(max_tokens=32), torch.Generator())
+    parents = proposal.parent_indices()
+    paths = {
+        tuple(proposal.tokens[n] for n in path_to(parents, i)) for i in range(len(parents))
+    }
+    reference = _brute_force(_fresh_log_probs(draft, tokens, hidden), tree, budget)
+    assert paths == set(reference)
+    scores = dict(zip((tuple(proposal.tokens[n] for n in path_to(parents, i))
+                       for i in range(len(parents))), grown[0].scores, strict=True))
+    for path, score in reference.items():
+        assert math.isclose(scores[path], score, abs_tol=1e-4), path
+    assert proposal.probs is None  # deterministic picks: q is one-hot
+
+
+def _side_branch_recorder(
+    branches: list[bool],
+) -> Callable[[Proposal, torch.Tensor], TreeVerdict]:
+    def recording(proposal: Proposal, logits: torch.Tensor) -> TreeVerdict:
+        verdict = verify_tree_greedy(proposal, logits)
+        parents = proposal.parent_indices()
+        # Whether the accepted path left the chain of first children (a real tree branch).
+        firsts = {kids[0] for kids in children(parents) if kids}
+        branches.append(any(node not in firsts for node in verdict.path))
+        return verdict
+
+    return recording
+
+
+def _greedy_equal(engine: Engine, k: int | None) -> int:
+    accepted = 0
+    for text in PROMPTS:
+        prompt = tuple(engine.tokenizer.encode(text))
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        plain = engine.generate(GenerationRequest(prompt, params, SpeculativeChoice("none")))
+        eagle = engine.generate(GenerationRequest(prompt, params, SpeculativeChoice("eagle", k)))
+        assert eagle.token_ids == plain.token_ids
+        assert eagle.stats.num_drafts > 0
+        accepted += eagle.stats.num_accepted_tokens
+    return accepted
+
+
+@pytest.mark.parametrize("k", [None, 3, 10, 16])
+def test_greedy_eagle_equals_plain_decoding(
+    engine: Engine, k: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    branches: list[bool] = []
+    monkeypatch.setattr(decoding, "verify_tree_greedy", _side_branch_recorder(branches))
+    accepted = _greedy_equal(engine, k)
+    assert accepted > 0, "the draft never got a token accepted: the test proves too little"
+    if k is not None and k >= 10:  # adaptive k may stay small; a big tree must branch
+        assert any(branches), "no accepted path left the first children: trees went untested"
+
+
+@pytest.mark.parametrize(
+    "tree", [{"num_steps": 1, "eagle_topk": 8}, {"num_steps": 8, "eagle_topk": 1},
+             {"num_steps": 3, "eagle_topk": 2, "num_draft_tokens": 5}],
+)
+def test_greedy_eagle_equals_plain_for_other_tree_shapes(
+    trained: tuple[Path, Path], tree: dict[str, int]
+) -> None:
+    eng = _engine(*trained, tree)
+    try:
+        assert _greedy_equal(eng, 8) > 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.slow
+def test_sampled_eagle_is_exact(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    prompt = engine.tokenizer.encode("def add(a, b):\n")
+    counts = draw(engine, prompt, params, "eagle")
+    assert chi_square_p_value(counts, exact_pair_distribution(engine, prompt, params)) > (
+        SIGNIFICANCE
+    )
+
+
+def test_vllm_speculative_config_names_eagle(trained: tuple[Path, Path]) -> None:
+    _, heads = trained
+    spec, model = speculative_config_from_vllm(
+        {"method": "eagle", "model": str(heads), "num_speculative_tokens": 4}
+    )
+    assert (spec.method, spec.num_speculative_tokens, model) == ("eagle", 4, heads)
+
+
+def test_engine_records_the_eagle_artefact(engine: Engine) -> None:
+    assert "eagle" in engine.available_methods
+    assert [a["kind"] for a in engine.artefacts] == ["eagle_heads"]
+
+
+# --- the tree itself: EAGLE-2's expansion against a brute-force one ---------------------
+
+VOCAB = 12
+
+
+def _log_probs(seed: int, path: tuple[int, ...]) -> torch.Tensor:
+    """A fixed random distribution of the token after ``path`` (the draft's stand-in)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + hash(path) % 1_000_000)
+    return torch.log_softmax(torch.randn(VOCAB, generator=generator) * 2, dim=-1)
+
+
+def _brute_force(
+    log_probs: Callable[[tuple[int, ...]], torch.Tensor], tree: EagleTree, budget: int
+) -> dict[tuple[int, ...], float]:
+    """EAGLE-2 over explicit paths: top-k children of the frontier, top-k of them as the next
+    frontier, every child a candidate, the best ``budget`` candidates kept."""
+    topk, steps = min(tree.eagle_topk, budget), min(tree.num_steps, budget)
+
+    def kids(path: tuple[int, ...], score: float) -> dict[tuple[int, ...], float]:
+        best, ids = torch.topk(log_probs(path), topk)
+        pairs = zip(best.tolist(), ids.tolist(), strict=True)
+        return {(*path, int(t)): score + min(0.0, lp) for lp, t in pairs}
+
+    pool = kids((), 0.0)
+    frontier = dict(pool)
+    for _ in range(steps - 1):
+        level: dict[tuple[int, ...], float] = {}
+        for path, score in frontier.items():
+            level.update(kids(path, score))
+        pool.update(level)
+        frontier = dict(sorted(level.items(), key=lambda kv: -kv[1])[:topk])
+    return dict(sorted(pool.items(), key=lambda kv: (-kv[1], len(kv[0])))[:budget])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    steps=st.integers(1, 6),
+    topk=st.integers(1, 5),
+    draft_tokens=st.integers(1, 16),
+    k=st.integers(1, 16),
+)
+def test_grown_tree_is_valid_and_ranked(
+    seed: int, steps: int, topk: int, draft_tokens: int, k: int
+) -> None:
+    tree = EagleTree(steps, topk, draft_tokens)
+    budget = min(k, draft_tokens)
+
+    def expand(frontier: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+        paths = [tuple(tokens[n] for n in path_to(parents, node)) for node in frontier]
+        return torch.stack([_log_probs(seed, path) for path in paths])
+
+    grown = grow_tree(_log_probs(seed, ()), expand, tree, budget)
+    check_parents(grown.parents)  # every parent comes first
+    width, levels = min(topk, budget), min(steps, budget)
+    assert len(grown.tokens) == min(budget, width + (levels - 1) * width * width)
+    assert max(depths(grown.parents)) <= steps
+    assert grown.scores == sorted(grown.scores, reverse=True)
+    for siblings in children(grown.parents):
+        assert len(siblings) <= topk
+        assert len({grown.tokens[i] for i in siblings}) == len(siblings)  # no duplicates
+    paths = {
+        tuple(grown.tokens[n] for n in path_to(grown.parents, i)): grown.scores[i]
+        for i in range(len(grown.tokens))
+    }
+    for path, score in paths.items():  # a node's score is its path's log-probability
+        expected = sum(
+            min(0.0, float(_log_probs(seed, path[:d])[path[d]])) for d in range(len(path))
+        )
+        assert math.isclose(score, expected, abs_tol=1e-5)
+    reference = _brute_force(lambda path: _log_probs(seed, path), tree, budget)
+    assert set(paths) == set(reference)
+
+
+def test_heads_cli_trains_eagle_and_serve_settings_pick_it(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from gateway.cli import app
+    from gateway.settings import engine_config, load_settings
+
+    target, heads = trained
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "code.txt").write_text("".join(SAMPLE_TEXT))
+    out = tmp_path / "cli-heads"
+    result = CliRunner().invoke(
+        app,
+        ["heads", "train", "--method", "eagle", "--target", str(target), "--out", str(out),
+         "--data", str(data), "--snippets", "4", "--steps", "2", "--seed", "3"],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "training.json").read_text())
+    assert (summary["method"], summary["target_model_version"]) == (
+        "eagle", model_version(target)
+    )
+    assert heads_method(out) == "eagle"
+    # --heads alone: the default method follows the directory's kind.
+    assert engine_config(load_settings(target=target, heads=heads)).speculative.method == "eagle"
+
+
+def test_eagle_method_with_medusa_heads_is_refused_naming_both(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, _ = trained
+    medusa = tmp_path / "medusa"
+    medusa.mkdir()
+    (medusa / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "hidden_size": 64}))
+    config = EngineConfig(
+        target=target, heads=medusa, dtype="float32",
+        speculative=SpeculativeConfig(method="eagle"),
+    )
+    with pytest.raises(HeadsMismatchError, match=r"needs eagle heads.*holds medusa heads"):
+        Engine.load(config)
