@@ -60,7 +60,7 @@ class KeyCache:
             self._entries[hash_key(plaintext)] = (principal, lookup.started_at)
 
     def forget(self, key_id_or_name: str) -> None:
-        """Drop the entries of a key revoked here (by id or by name)."""
+        """Drop the entries of a key revoked or changed here (by id or by name)."""
         self._revocations += 1
         for digest, (principal, _) in list(self._entries.items()):
             if key_id_or_name in (principal.key_id, principal.name):

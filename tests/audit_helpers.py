@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from gateway.audit.log import AuditLog
 from gateway.cli_admin import audit_app, db_app, keys_app
 from gateway.errors import install_error_handlers
+from gateway.key_cache import KeyCache
 from gateway.keys import KeyStore
 from gateway.offload import Offload
 from gateway.routes import audit as audit_routes
@@ -58,5 +59,7 @@ def audit_only_app(audit: AuditLog, keys: KeyStore) -> FastAPI:
     install_error_handlers(app)
     app.include_router(audit_routes.router)
     offload = Offload(db_threads=4, prepare_threads=1, timeout_s=5.0)
-    app.state.services = SimpleNamespace(audit=audit, keys=keys, offload=offload)
+    app.state.services = SimpleNamespace(
+        audit=audit, keys=keys, offload=offload, key_cache=KeyCache(ttl_s=0.0)
+    )
     return app

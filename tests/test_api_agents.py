@@ -320,11 +320,17 @@ def test_one_call_only_when_parallel_calls_are_off(client: openai.OpenAI) -> Non
     assert len(reply.choices[0].message.tool_calls or []) == 1
 
 
-def _event_count(gateway: LiveGateway) -> int:
+def _request_events(gateway: LiveGateway) -> int:
+    """How many `request` events the log holds. Each is committed before its generation
+    starts, so none of an earlier test's arrives late (a completion event may: a stream's
+    is committed as it ends), and a request that is audited at all has one."""
+    query = (
+        sa.select(sa.func.count())
+        .select_from(audit_events)
+        .where(audit_events.c.kind == "request")
+    )
     with gateway.services.db.connect() as connection:
-        return int(
-            connection.execute(sa.select(sa.func.count()).select_from(audit_events)).scalar_one()
-        )
+        return int(connection.execute(query).scalar_one())
 
 
 BAD_TOOL = {
@@ -362,7 +368,7 @@ BAD_TOOL = {
 def test_a_constraint_that_does_not_compile_is_refused_before_anything_is_audited(
     gateway: LiveGateway, extra: dict[str, Any], param: str
 ) -> None:
-    before = _event_count(gateway)
+    before = _request_events(gateway)
     reply = httpx.post(
         gateway.base_url + "/v1/chat/completions",
         headers={"authorization": f"Bearer {gateway.keys['app']}"},
@@ -377,7 +383,7 @@ def test_a_constraint_that_does_not_compile_is_refused_before_anything_is_audite
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and "invalid" in error["message"]
-    assert _event_count(gateway) == before  # no `request`, no `completion`
+    assert _request_events(gateway) == before  # no `request` (so no `completion` either)
 
 
 # A Hermes/Qwen-style template that renders the tools, the calls and their results itself.

@@ -39,7 +39,11 @@ async def create_key(
 
 @router.patch("/{key}")
 async def update_key(
-    key: str, body: KeyUpdateRequest, principal: AdminPrincipal, keys: KeysDep
+    key: str,
+    body: KeyUpdateRequest,
+    principal: AdminPrincipal,
+    keys: KeysDep,
+    services: ServicesDep,
 ) -> KeyInfo:
     """Change an active key's content storage choice (``store_content``; null: the
     server's setting), audited as a `key` event."""
@@ -49,6 +53,8 @@ async def update_key(
         )
     except KeyStoreError as error:
         raise APIError(404, str(error), param="key", code="key_not_found") from error
+    # The cached principal carries the old choice: the next request reads the new one.
+    services.key_cache.forget(key)
     return _info(updated)
 
 
