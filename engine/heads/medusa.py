@@ -23,14 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.types import EngineError
+from engine.heads import HeadsMismatchError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-
-
-class HeadsMismatchError(EngineError):
-    """Heads made for another target (its version, hidden size or vocabulary)."""
 
 
 class ResBlock(nn.Module):

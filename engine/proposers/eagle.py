@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.heads import heads_method
-from engine.heads.eagle import EagleCache, EagleDraft, HeadsMismatchError, load_eagle
+from engine.heads import check_heads_kind, heads_method
+from engine.heads.eagle import EagleCache, EagleDraft, load_eagle
 from engine.loading import embedding_rows
 from engine.logits_processors import LogitsProcessing
 from engine.methods import Artefact, ArtefactSpec, LoadContext, LoadedMethod, MethodSpec, register
@@ -237,11 +237,7 @@ def _load(context: LoadContext) -> LoadedMethod:
     (``engine.heads.eagle.load_eagle``), and so are heads of another kind."""
     directory = context.artefact_dir(EAGLE)
     assert directory is not None  # EngineConfig refuses the method without one
-    if not _holds_eagle_draft(directory):
-        raise HeadsMismatchError(
-            f"speculative.method 'eagle' needs eagle heads, but {directory} holds "
-            f"{heads_method(directory)} heads"
-        )
+    check_heads_kind("eagle", directory)
     target = context.target
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     assert isinstance(embed, torch.nn.Module) and isinstance(head, torch.nn.Module)

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.heads import heads_method
-from engine.heads.medusa import HeadsMismatchError, MedusaHeads, load_heads, read_config
+from engine.heads import HeadsMismatchError, check_heads_kind
+from engine.heads.medusa import MedusaHeads, load_heads, read_config
 from engine.loading import embedding_rows
 from engine.logits_processors import LogitsProcessing
 from engine.methods import Artefact, ArtefactSpec, LoadContext, LoadedMethod, MethodSpec, register
@@ -136,11 +136,7 @@ def _load(context: LoadContext) -> LoadedMethod:
     refused (``engine.heads.medusa.load_heads``)."""
     directory = context.artefact_dir(MEDUSA)
     assert directory is not None  # EngineConfig refuses the method without one
-    if heads_method(directory) != "medusa":
-        raise HeadsMismatchError(
-            f"speculative.method 'medusa' needs medusa heads, but {directory} holds "
-            f"{heads_method(directory)} heads"
-        )
+    check_heads_kind("medusa", directory)
     target = context.target
     head = target.get_output_embeddings()
     assert isinstance(head, torch.nn.Module)
