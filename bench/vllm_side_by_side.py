@@ -13,8 +13,10 @@ concurrency, it sends the same greedy chat requests (the code prompts) through:
 - the gateway over the vLLM servers, plain (``speculative: false``), n-gram and draft;
 - vLLM directly (its own ``/v1/chat/completions``), plain, n-gram and draft.
 
-The gateway reads the draft's version from the ``specgate models hash`` manifest beside it,
-which the bench writes when it is missing (as an operator would).
+The gateways run with the fallback off (``acceptance_threshold`` 0), so that every route
+is served by the pool it names. The gateway reads the draft's version from the ``specgate
+models hash`` manifest beside it, which the bench writes when it is missing (as an operator
+would).
 
 It reports tokens/s (all completion tokens over the level's wall time), p50/p99 request
 latency, the acceptance rate, and the gateway's added latency over calling vLLM directly
@@ -195,7 +197,14 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="specgate-vllm-bench-"))
     version = model_version(target)  # what the operator would give the vLLM backend
     with vllm_servers(target, scratch, draft) as servers, ExitStack() as stack:
-        common: dict[str, Any] = {"log_format": "console", "log_level": "warning"}
+        # The fallback is off: each route measures the pool it names. With it on, a gateway
+        # whose n-gram acceptance dipped under the threshold would serve its "ngram" route
+        # from the plain pool, and the added latency would compare plain against n-gram.
+        common: dict[str, Any] = {
+            "log_format": "console",
+            "log_level": "warning",
+            "acceptance_threshold": 0.0,
+        }
 
         def local(name: str, **speculation: Any) -> Settings:
             return Settings(target=target, served_model_name=DEMO_MODEL_NAME, dtype="float32",
