@@ -2,7 +2,8 @@
 
     python -m bench.vllm_side_by_side [--target DIR] [--draft DIR | --no-draft]
                                       [--concurrency 1 4 16] [--max-tokens 32]
-                                      [--requests-per-level 16] [--json FILE]
+                                      [--requests-per-level 16] [--repeats 3]
+                                      [--json FILE]
 
 Starts vLLM servers on the demo target in float32: one plain, one with n-gram speculation
 and, when the demo draft is built (or ``--draft`` names one sharing the target's
@@ -21,7 +22,9 @@ would).
 It reports tokens/s (all completion tokens over the level's wall time), p50/p99 request
 latency, the acceptance rate, and the gateway's added latency over calling vLLM directly
 (p50 through the gateway over p50 direct, same server, same concurrency). Routes alternate
-level by level, so drift hits them alike; the load average is reported with the figures.
+level by level, for ``--repeats`` rounds, each route through the gateway to a vLLM server right
+before the same server directly, so drift hits a pair alike; the added latency is the median
+of the pairs' ratios, and the load average is reported with every level.
 """
 
 from __future__ import annotations
@@ -71,6 +74,24 @@ class Row:
     p50_ms: float
     p99_ms: float
     acceptance_rate: float | None
+    repeat: int = 0
+    load_average_1m: float = 0.0
+
+
+def added_latency(rows: list[Row], pools: list[str], levels: list[int]) -> dict[str, float]:
+    """Per pool and concurrency, the median over repeats of p50 through the gateway over p50
+    direct (same server, same repeat) minus one."""
+    by = {(r.route, r.concurrency, r.repeat): r for r in rows}
+    added: dict[str, float] = {}
+    for pool in pools:
+        for c in levels:
+            ratios = [
+                by[(f"gateway+vllm {pool}", c, r)].p50_ms / by[(f"vllm direct {pool}", c, r)].p50_ms
+                for (name, level_c, r) in by
+                if name == f"vllm direct {pool}" and level_c == c
+            ]
+            added[f"{pool} c={c}"] = round(statistics.median(ratios) - 1, 4)
+    return added
 
 
 @dataclass(frozen=True)
@@ -137,6 +158,7 @@ async def level(route: Route, prompts: list[list[dict[str, str]]], concurrency: 
         p50_ms=round(statistics.median(latencies) * 1e3, 1),
         p99_ms=round(percentile(latencies, 99) * 1e3, 1),
         acceptance_rate=round(sum(r[3] for r in results) / drafted, 3) if drafted else None,
+        load_average_1m=round(os.getloadavg()[0], 2),
     )
 
 
@@ -182,6 +204,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests-per-level", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over every route")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     from engine.demo.paths import default_demo_dir
@@ -244,26 +267,29 @@ def main() -> None:
                 gateway_route(stack, "gateway+engine draft", local("local-draft", draft=draft), {}),
                 gateway_route(stack, "gateway+vllm draft", remote("draft"), {}),
             ]
-        routes += [
-            Route(f"vllm direct {name}", server.url, {}, DEMO_MODEL_NAME, {}, True)
+        direct = {
+            name: Route(f"vllm direct {name}", server.url, {}, DEMO_MODEL_NAME, {}, True)
             for name, server in servers.items()
-        ]
+        }
+        # Each gateway+vllm route runs right before vLLM direct on the same server, so a pair
+        # sees the same load; the added latency is the median of the pairs' ratios.
+        ordered: list[Route] = []
+        for route in routes:
+            ordered.append(route)
+            pool = route.name.removeprefix("gateway+vllm ")
+            if pool in direct:
+                ordered.append(direct.pop(pool))
+        ordered += direct.values()
         rows: list[Row] = []
         for concurrency in args.concurrency:
             requests = max(args.requests_per_level, concurrency)
-            for route in routes:
-                rows.append(
-                    asyncio.run(level(route, prompts, concurrency, requests, args.max_tokens))
-                )
-                print(json.dumps(asdict(rows[-1])), flush=True)
-    by = {(r.route, r.concurrency): r for r in rows}
-    added = {
-        f"{pool} c={c}": round(
-            by[(f"gateway+vllm {pool}", c)].p50_ms / by[(f"vllm direct {pool}", c)].p50_ms - 1, 4
-        )
-        for pool in servers
-        for c in args.concurrency
-    }
+            for repeat in range(args.repeats):
+                for route in ordered:
+                    row = asyncio.run(level(route, prompts, concurrency, requests, args.max_tokens))
+                    row.repeat = repeat
+                    rows.append(row)
+                    print(json.dumps(asdict(row)), flush=True)
+    added = added_latency(rows, list(servers), args.concurrency)
     report = {
         "load_average_1m": os.getloadavg()[0],
         "max_tokens": args.max_tokens,
