@@ -1,6 +1,8 @@
 """One audited generation: OpenAI request -> `request` event -> backend -> `completion` event.
 
-Fail closed: the `request` event is committed before the backend sees the request, and a
+Fail closed: the `request` event is committed before the backend sees the request (or, with
+``start_before_request_commit``, before anything the backend generated is read: the response
+starts only after the commit, and a failed commit cancels the generation), and a
 non-streaming response leaves only after its `completion` event is committed; a stream ends
 with ``[DONE]`` only after its `completion` event is committed.
 """
@@ -676,8 +678,15 @@ class AuditedGeneration:
         return self.commitments
 
     async def _submit(self) -> list[Generation]:
+        """Commit the `request` event and hand the job to the backend: after the commit, or
+        (``start_before_request_commit``) while it is in flight. Either way the generations
+        are returned, and so read, only once the event is committed; when it is not, they
+        are cancelled before anything of them was read."""
         job = self.job
         services = self.services
+        early = services.settings.start_before_request_commit
+        submit_error: EngineError | None = None
+        self.choices = [_ChoiceState() for _ in job.sampling]
         subject = user_subject(job.user) if job.user else key_owner_subject(self.principal.key_id)
         subject_ref = services.privacy.subject_ref(subject)
         attempt: Future[AppendedEvent] | None = None
@@ -718,14 +727,31 @@ class AuditedGeneration:
                     "prompt",
                     content,
                 )
+            if early:
+                submit_error = self._start_backend()
             self.request_event = await services.offload.wait_db(attempt, "request append")
         except AuditUnavailableError as error:
+            self._cancel_handles()
             log.error("request_not_audited", error=str(error))
             if attempt is not None:
                 attempt.add_done_callback(self._answer_late_request)
             raise audit_unavailable() from error
-        self.choices = [_ChoiceState() for _ in job.sampling]
-        handles = self.handles
+        except BaseException:
+            self._cancel_handles()
+            raise
+        if not early:
+            submit_error = self._start_backend()
+        if submit_error is not None:
+            self._cancel_handles()
+            await self.close_quietly("error", str(submit_error))
+            raise from_engine_error(submit_error) from submit_error
+        services.lifecycle.track(self.handles)
+        return self.handles
+
+    def _start_backend(self) -> EngineError | None:
+        """Submit every choice to the backend; the error that refused one (the ones already
+        submitted stay in ``handles``, for the caller to cancel), or None."""
+        job = self.job
         try:
             for index, sampling in enumerate(job.sampling):
                 request = GenerationRequest(
@@ -735,14 +761,14 @@ class AuditedGeneration:
                     request_id=f"{job.request_id}-{index}",
                     compiled=job.compiled,
                 )
-                handles.append(self.backend.submit(request))
+                self.handles.append(self.backend.submit(request))
         except EngineError as error:
-            for handle in handles:
-                handle.cancel()
-            await self.close_quietly("error", str(error))
-            raise from_engine_error(error) from error
-        services.lifecycle.track(handles)
-        return handles
+            return error
+        return None
+
+    def _cancel_handles(self) -> None:
+        for handle in self.handles:
+            handle.cancel()
 
     def _answer_late_request(self, attempt: Future[AppendedEvent]) -> None:
         """A `request` event that commits after the client was told 503 gets a `completion`
