@@ -37,6 +37,8 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -274,28 +276,31 @@ def measure(
         for mode, overlap in MODES.items()
     }
     rounds = Rounds({path: [] for path in PATHS}, {path: [] for path in PATHS})
-    headers = {"authorization": f"Bearer {api_key}"}
     expected_tokens = len(engine.generate(direct_request).token_ids)
-    with httpx.Client(base_url=base_url, headers=headers, timeout=60) as client:
+    with loopback_client(base_url, api_key) as client:
+
+        # The direct call waits as the gateway does, woken once by the final delta
+        # (``result()`` would wake its thread at every token, slowing the engine's thread).
+        waiting = asyncio.new_event_loop()
 
         def one_direct() -> float:
             started = time.perf_counter()
             timeline.mark("engine submitted")
-            stamp_handle(engine.submit(direct_request), timeline).result()
-            timeline.mark("engine returned")
+            handle = stamp_handle(engine.submit(direct_request), timeline)
+            waiting.run_until_complete(handle.result_async())
             return time.perf_counter() - started
 
         def one_through_gateway(mode: str) -> float:
             services.settings = settings[mode]
-            timeline.mark("client sent")
-            started = time.perf_counter()
-            response = client.post("/v1/chat/completions", json=body)
-            elapsed = time.perf_counter() - started
-            timeline.mark("client received")
-            response.raise_for_status()
-            if response.json()["usage"]["completion_tokens"] != expected_tokens:
-                raise RuntimeError("the gateway generated a different number of tokens")
-            return elapsed
+            assert client.stdin is not None and client.stdout is not None
+            client.stdin.write(json.dumps(body) + "\n")
+            client.stdin.flush()
+            answer = json.loads(client.stdout.readline())
+            if answer["status"] != 200 or answer["tokens"] != expected_tokens:
+                raise RuntimeError(f"the gateway answered {answer}, not {expected_tokens} tokens")
+            timeline.mark_at("client sent", answer["sent"])
+            timeline.mark_at("client received", answer["received"])
+            return float(answer["received"] - answer["sent"])
 
         calls: dict[str, Callable[[], float]] = {
             "direct": one_direct,
@@ -311,7 +316,26 @@ def measure(
                     rounds.seconds[path].append(seconds)
                     if marks:
                         rounds.stamps[path].append(marks)
+        waiting.close()
     return rounds
+
+
+@contextmanager
+def loopback_client(base_url: str, api_key: str) -> Iterator[subprocess.Popen[str]]:
+    """``bench.loopback_client`` in its own process (the key passed in its environment)."""
+    client = subprocess.Popen(
+        [sys.executable, "-m", "bench.loopback_client", base_url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "SPECGATE_BENCH_KEY": api_key},
+    )
+    try:
+        yield client
+    finally:
+        assert client.stdin is not None
+        client.stdin.close()
+        client.wait(timeout=30)
 
 
 def added(rounds: Rounds, mode: str) -> list[float]:

@@ -63,8 +63,12 @@ class Timeline:
         self.loop = ""  # the serving event loop's class, seen on the first request
 
     def mark(self, name: str) -> None:
+        self.mark_at(name, time.perf_counter())
+
+    def mark_at(self, name: str, at: float) -> None:
+        """A stamp taken elsewhere on the same clock (another process's ``perf_counter``)."""
         if self.enabled:
-            self.marks.append((name, time.perf_counter()))
+            self.marks.append((name, at))
 
     def take(self) -> list[tuple[str, float]]:
         marks, self.marks = self.marks, []
@@ -110,6 +114,17 @@ def stamp_handle(handle: RequestHandle, timeline: Timeline) -> RequestHandle:
     handle.put = stamped_put  # type: ignore[method-assign]
     handle.result_async = stamped_result  # type: ignore[method-assign]
     return handle
+
+
+AUDITED = ("request", "completion")
+
+
+def _db_call(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
+    """``request commit`` / ``completion commit`` for the two audit appends, else the
+    function's name (never its arguments: a key lookup's is the key)."""
+    if args and args[0] in AUDITED:
+        return f"{args[0]} commit"
+    return str(getattr(fn, "__name__", "database call"))
 
 
 def _stamped_call(fn: Callable[..., Any], timeline: Timeline, what: str) -> Callable[..., Any]:
@@ -160,15 +175,16 @@ def instrument(services: Services, timeline: Timeline) -> None:
             timeline.mark("prepare returned")
 
     def stamped_submit_db(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
-        kind = args[0] if args and isinstance(args[0], str) else getattr(fn, "__name__", "db")
-        timeline.mark(f"{kind} commit submitted")
-        return submit_db(_stamped_call(fn, timeline, f"{kind} commit"), *args, **kwargs)
+        what = _db_call(fn, args)
+        timeline.mark(f"{what} submitted")
+        return submit_db(_stamped_call(fn, timeline, what), *args, **kwargs)
 
     async def stamped_wait_db(future: Future[Any], what: str) -> Any:
         try:
             return await wait_db(future, what)
         finally:
-            timeline.mark(f"{what.split()[0]} commit returned")
+            kind = what.removesuffix(" append")
+            timeline.mark(f"{kind} commit returned" if kind in AUDITED else f"{what} returned")
 
     backend = services.backend
     submit = backend.submit
