@@ -57,27 +57,59 @@ def test_key_lookup_sends_no_transaction_commands(
 def test_an_append_is_one_locking_read_and_its_writes(
     pg: sa.Engine, tmp_path: Path, commands: list[bytes]
 ) -> None:
-    """BEGIN, the head row locked (its lock timeout set in the same statement), the event,
-    the Merkle nodes it completes, the new head, COMMIT: nothing else reaches the server."""
+    """A log that does not know the head (its first append, or another writer moved it):
+    BEGIN, the head row locked (its lock timeout set in the same statement), the event, the
+    Merkle nodes it completes, the new head, COMMIT. Nothing else reaches the server."""
     log = AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem"), lock_timeout_s=0.5)
+    other = AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem"))
     log.append("request", "key_a", {"i": 0})
-    statements: list[str] = []
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        statements.append(" ".join(statement.split()[:3]))
-
-    sa.event.listen(pg, "before_cursor_execute", record)
+    other.append("request", "key_b", {"i": 1})  # the head is no longer the one `log` wrote
+    statements = _statements(pg)
     commands.clear()
-    log.append("request", "key_a", {"i": 1})  # the second leaf completes a level-1 node
-    sa.event.remove(pg, "before_cursor_execute", record)
-    assert statements == [
+    log.append("request", "key_a", {"i": 2})  # the third leaf completes no node
+    other.append("request", "key_b", {"i": 3})  # the fourth completes two
+    assert [" ".join(s.split()[:3]) for s in statements] == [
+        "WITH moved AS",  # tried at the head `log` knew: nothing written
+        "SELECT audit_head.id, audit_head.tree_size,",
+        "INSERT INTO audit_events",
+        "UPDATE audit_head SET",
+        "WITH moved AS",
         "SELECT audit_head.id, audit_head.tree_size,",
         "INSERT INTO audit_events",
         "INSERT INTO audit_merkle_nodes",
         "UPDATE audit_head SET",
     ]
-    assert commands == [b"BEGIN", b"COMMIT"]
+    # (BEGIN names the isolation level on a connection last used in autocommit.)
+    assert [command.split()[0] for command in commands] == [b"BEGIN", b"COMMIT"] * 2
     assert log.verify().ok
+
+
+def test_an_append_at_the_head_this_log_wrote_is_one_statement(
+    pg: sa.Engine, tmp_path: Path, commands: list[bytes]
+) -> None:
+    """After its own append, a log knows the head: the next append is one statement in
+    autocommit (its events, their Merkle nodes, the new head), with no BEGIN or COMMIT."""
+    log = AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem"), lock_timeout_s=0.5)
+    first = log.append("request", "key_a", {"i": 0})
+    statements = _statements(pg)
+    commands.clear()
+    appended = [log.append("request", "key_a", {"i": i}) for i in range(1, 4)]
+    assert [" ".join(s.split()[:3]) for s in statements] == ["WITH moved AS"] * 3
+    assert commands == []
+    assert [event.seq for event in appended] == [first.seq + 1, first.seq + 2, first.seq + 3]
+    report = log.verify()
+    assert report.ok and report.events_checked == first.seq + 3, report
+
+
+def _statements(engine: sa.Engine) -> list[str]:
+    """The statements ``engine`` sends from now on."""
+    sent: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        sent.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    return sent
 
 
 def _pooled_backend_pids(engine: sa.Engine) -> set[int]:
