@@ -14,10 +14,10 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
 import structlog
@@ -88,6 +88,8 @@ from gateway.schemas import (
 )
 
 log = structlog.get_logger(__name__)
+
+Answer = TypeVar("Answer")
 
 Kind = Literal["chat", "completion"]
 ROUTES: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
@@ -782,8 +784,10 @@ class AuditedGeneration:
         except OSError:
             log.exception("late_request_not_answered")
 
-    async def run(self) -> list[GenerationResult]:
-        """Non-streaming: wait for every choice, then commit the `completion` event."""
+    async def run(self, render: Callable[[list[GenerationResult]], Answer]) -> Answer:
+        """Non-streaming: wait for every choice, then commit the `completion` event and
+        return ``render(results)``, which is built while the commit is in flight (it is
+        returned, and so sent, only once the event is committed or spooled)."""
         handles = await self.open()
         try:
             results = list(await asyncio.gather(*(handle.result_async() for handle in handles)))
@@ -804,12 +808,13 @@ class AuditedGeneration:
             state.token_ids = list(result.token_ids)
             state.logprobs = list(result.logprobs or ())
             state.finish_reason, state.stats = result.finish_reason, result.stats
+        answers: list[Answer] = []
         try:
-            await self.close("ok", None)
+            await self.close("ok", None, lambda: answers.append(render(results)))
         except AuditUnavailableError as error:
             log.error("completion_not_audited", error=str(error))
             raise completion_not_recorded() from error
-        return results
+        return answers[0]
 
     async def stream(self, handles: list[Generation]) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, then usage (when asked), then
@@ -914,15 +919,40 @@ class AuditedGeneration:
             self.slots.release()
             self.slots = None
 
-    async def close(self, outcome: str, error: str | None) -> None:
+    async def close(
+        self, outcome: str, error: str | None, meanwhile: Callable[[], None] | None = None
+    ) -> None:
         """Commit the `completion` event for whatever the choices hold now: directly, or
         through the durable spool when the store does not answer in time. Raises
-        AuditUnavailableError only when neither could take it."""
+        AuditUnavailableError only when neither could take it. The telemetry of the result,
+        and ``meanwhile``, run on the loop while the commit is in flight."""
         self.finish()
         self.closed = True
         payload = self._completion_payload(outcome, error)
         telemetry = self.telemetry
         assert telemetry is not None
+
+        def alongside() -> None:
+            self._record_outcome(telemetry, outcome)
+            if meanwhile is not None:
+                meanwhile()
+
+        services = self.services
+        try:
+            with telemetry.activate():
+                await append_durably(
+                    services.offload,
+                    services.spool,
+                    "completion",
+                    self.principal.key_id,
+                    payload,
+                    self._sealed_completion(),
+                    meanwhile=alongside,
+                )
+        finally:
+            telemetry.end()
+
+    def _record_outcome(self, telemetry: CompletionTelemetry, outcome: str) -> None:
         stats = self.stats()
         if stats is not None:
             telemetry.record_result(
@@ -934,19 +964,6 @@ class AuditedGeneration:
             )
         if outcome != "ok":
             telemetry.record_error(outcome)
-        services = self.services
-        try:
-            with telemetry.activate():
-                await append_durably(
-                    services.offload,
-                    services.spool,
-                    "completion",
-                    self.principal.key_id,
-                    payload,
-                    self._sealed_completion(),
-                )
-        finally:
-            telemetry.end()
 
     async def close_quietly(self, outcome: str, error: str) -> None:
         """Record a failed or abandoned request; the client hears of the original failure."""
