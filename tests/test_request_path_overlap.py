@@ -1,9 +1,11 @@
-"""Generation started while the `request` event commits (``start_before_request_commit``).
+"""What the gateway does while an audit commit is in flight, and what it holds back.
 
-The engine may begin on a request before its `request` event is committed, but no byte of the
-completion may leave the gateway until the commit lands: when it does not (a stalled
-PostgreSQL of the test's own, SIGSTOP), the client gets 503 `audit_unavailable` and nothing
-else, the engine's work is cancelled, and no completion is recorded as served.
+The engine may begin on a request before its `request` event is committed
+(``start_before_request_commit``), but no byte of the completion may leave the gateway until
+the commit lands: when it does not (a stalled PostgreSQL of the test's own, SIGSTOP), the
+client gets 503 `audit_unavailable` and nothing else, the engine's work is cancelled, and no
+completion is recorded as served. A non-streaming answer is rendered while its `completion`
+event commits, and sent only if the event was committed or spooled.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sqlalchemy as sa
 
 from engine.service import RequestHandle
 from engine.types import GenerationRequest
+from gateway.audit.log import AuditUnavailableError
 from gateway.audit.schema import audit_events
 from tests.api_harness import LiveGateway, gateway_settings, live_gateway
 from tests.pg_instance import PgInstance
@@ -192,3 +195,27 @@ def test_a_stalled_request_commit_serves_no_byte_cancels_the_engine_and_records_
         gateway.base_url + "/v1/audit/verify", headers=_headers(gateway, "auditor"), timeout=60
     ).json()
     assert report["ok"] is True, report
+
+
+def test_an_answer_rendered_during_the_completion_commit_is_not_sent_when_it_fails(
+    gateway: LiveGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spool = gateway.services.spool
+
+    def refused(*_: Any) -> Any:
+        raise AuditUnavailableError("audit store unavailable: refused by the test")
+
+    def unwritable(*_: Any) -> Any:
+        raise OSError("spool refused by the test")
+
+    monkeypatch.setattr(spool, "commit", refused)
+    monkeypatch.setattr(spool, "keep", unwritable)
+    response = httpx.post(
+        gateway.base_url + "/v1/chat/completions",
+        json=GREEDY,
+        headers=_headers(gateway),
+        timeout=60,
+    )
+    assert response.status_code == 503, response.text
+    assert set(response.json()) == {"error"}
+    assert response.json()["error"]["code"] == "completion_not_recorded"
