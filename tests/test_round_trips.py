@@ -3,6 +3,7 @@ network) that every request pays, so their number is checked, not just the resul
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,6 +100,32 @@ def test_an_append_at_the_head_this_log_wrote_is_one_statement(
     assert [event.seq for event in appended] == [first.seq + 1, first.seq + 2, first.seq + 3]
     report = log.verify()
     assert report.ok and report.events_checked == first.seq + 3, report
+
+
+def test_appends_at_a_known_head_racing_another_writer_keep_one_chain(
+    pg: sa.Engine, tmp_path: Path
+) -> None:
+    """Two logs (two replicas) appending from four threads each: every append lands once, in
+    one chain that verifies, whichever path each took."""
+    signer = CheckpointSigner.load_or_create(tmp_path / "s.pem")
+    logs = [AuditLog(pg, signer), AuditLog(pg, signer)]
+    before = logs[0].append("request", "key_a", {"start": True}).seq
+    appended: list[int] = []
+
+    def work(log: AuditLog, worker: int) -> None:
+        for i in range(10):
+            appended.append(log.append("request", f"key_{worker}", {"i": i}).seq)
+
+    threads = [
+        threading.Thread(target=work, args=(log, worker)) for worker, log in enumerate(logs * 4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(appended) == list(range(before + 1, before + 81))
+    report = logs[1].verify()
+    assert report.ok and report.events_checked == before + 80, report
 
 
 def _statements(engine: sa.Engine) -> list[str]:

@@ -396,6 +396,7 @@ class AuditLog:
         ``gateway.db.write_connection``), so that it commits or rolls back with the caller's
         own change."""
         kind, actor = _checked_event(kind, actor)
+        self._known_head = None  # this transaction moves the head: the next append locks
         (appended,) = insert_events(
             connection,
             [(kind, actor, normalise_payload(payload))],
