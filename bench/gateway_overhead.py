@@ -155,8 +155,17 @@ def pieces_alone(
             "validate_template_tokenize": _median_ms(
                 lambda: build_job(body, backend, services.settings.max_prompt_bytes)
             ),
-            "request_event_commit": _median_ms(
-                lambda: services.audit.append("bench", principal.key_id, request_payload)
+            # At the head this process wrote (one statement) and, alternated with it, after
+            # another writer moved the head (the locking transaction).
+            **_alternated_ms(
+                {
+                    "request_event_commit": lambda: services.audit.append(
+                        "bench", principal.key_id, request_payload
+                    ),
+                    "request_event_commit_locking": lambda: _locking_append(
+                        services, principal.key_id, request_payload
+                    ),
+                }
             ),
             "completion_event_commit": _median_ms(
                 lambda: services.audit.append("bench", principal.key_id, completion_payload)
@@ -171,6 +180,22 @@ def pieces_alone(
         }
     loop.close()
     return figures
+
+
+def _alternated_ms(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Each call's median over PIECE_REPEATS rounds, the calls taking turns in each round."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(PIECE_REPEATS):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - started)
+    return {name: round(statistics.median(s) * 1e3, 3) for name, s in samples.items()}
+
+
+def _locking_append(services: Services, actor: str, payload: dict[str, Any]) -> None:
+    services.audit.forget_known_head()
+    services.audit.append("bench", actor, payload)
 
 
 def _commit_floor(services: Services) -> dict[str, float]:
@@ -278,7 +303,6 @@ def measure(
     rounds = Rounds({path: [] for path in PATHS}, {path: [] for path in PATHS})
     expected_tokens = len(engine.generate(direct_request).token_ids)
     with loopback_client(base_url, api_key) as client:
-
         # The direct call waits as the gateway does, woken once by the final delta
         # (``result()`` would wake its thread at every token, slowing the engine's thread).
         waiting = asyncio.new_event_loop()

@@ -396,7 +396,7 @@ class AuditLog:
         ``gateway.db.write_connection``), so that it commits or rolls back with the caller's
         own change."""
         kind, actor = _checked_event(kind, actor)
-        self._known_head = None  # this transaction moves the head: the next append locks
+        self.forget_known_head()  # this transaction moves the head
         (appended,) = insert_events(
             connection,
             [(kind, actor, normalise_payload(payload))],
@@ -451,6 +451,11 @@ class AuditLog:
         for pending in batch:
             pending.done = True
             pending.wake.set()
+
+    def forget_known_head(self) -> None:
+        """Make the next append take the head row's lock and read the head, as it does after
+        another writer's append (``gateway.audit.known_head``)."""
+        self._known_head = None
 
     def _append_at(
         self, known: KnownHead, events: list[tuple[str, str | None, dict[str, Any]]]
