@@ -1,14 +1,24 @@
 """Latency the gateway adds to a request over calling the engine directly.
 
     python -m bench.gateway_overhead [--tiny | --target DIR] [--database-url URL]
-                                     [--requests 200] [--max-tokens 8] [--json FILE]
+                                     [--requests 200] [--max-tokens 8] [--loop auto]
+                                     [--json FILE]
 
 Serves the real app with uvicorn on 127.0.0.1 (authentication, validation, chat template,
 the two audit commits, JSON over HTTP with a keep-alive client) and, in the same process,
-calls the same engine with the same prompt ids and sampling. Requests alternate between the
-two paths, each pair in turn direct-first and gateway-first, so that drift and warm caches
-hit both alike; each pair gives one "added" figure (gateway minus direct). Greedy decoding
-without speculation keeps the engine's share identical per pair.
+calls the same engine with the same prompt ids and sampling. Each round sends one request down
+each path: direct, through the gateway with the `request` event committed before the engine
+starts (``strict``), and through the gateway with the engine started while that commit is in
+flight (``overlap``, ``start_before_request_commit``); the order rotates from round to round,
+so that drift and warm caches hit all alike, and each round gives one "added" figure per
+gateway mode (gateway minus direct). Greedy decoding without speculation keeps the engine's
+share identical.
+
+A second phase repeats the rounds with the request path stamped (``bench.request_timeline``):
+for each mode, the mean and median time charged to each stamp, which sum to the request's
+time as the client measured it, and the engine's excess over the direct call. The difference
+between the stamped and the unstamped phase's added time is the stamps' own cost (and the
+drift between the phases): the ``unattributed`` line.
 
 ``--tiny`` serves a two-layer model built from a config (random weights; run from the
 repository root, it uses ``tests/tiny_models.py``): generation then takes about a
@@ -22,10 +32,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -33,10 +46,21 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import sqlalchemy as sa
 
+from bench.request_timeline import (
+    ENGINE_STAMPS,
+    PIECES,
+    Timeline,
+    engine_span,
+    instrument,
+    intervals,
+    stamp_handle,
+    stamped_app,
+)
 from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from gateway.app import create_app
@@ -48,6 +72,9 @@ from gateway.server import GracefulServer, uvicorn_config
 from gateway.settings import Settings, load_settings
 
 MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
+# The gateway's two orderings of the `request` commit and the engine's start.
+MODES = {"strict": False, "overlap": True}
+PATHS = ("direct", *MODES)
 
 
 @dataclass
@@ -58,35 +85,38 @@ class Percentiles:
 
 
 @dataclass
+class Breakdown:
+    """One gateway mode's stamped requests (ms). ``added_pieces_mean_ms``: the mean time charged
+    to each stamp outside the engine, the engine's time through the gateway minus the direct
+    call's, less the direct call's own wake-up; they sum to the stamped phase's added mean."""
+
+    added: Percentiles
+    added_pieces_mean_ms: dict[str, float]
+    added_pieces_sum_ms: float
+    # The median time charged to each stamp of a request through the gateway (engine included).
+    request_pieces_p50_ms: dict[str, float]
+    # The unstamped phase's added mean minus the pieces' sum: what the stamps do not explain
+    # (negative when the stamps themselves cost more than the phases drift).
+    unattributed_mean_ms: float
+
+
+@dataclass
 class OverheadResult:
     requests: int
     max_tokens: int
     database: str
+    loop: str
     load_average_1m: float
     direct: Percentiles
-    gateway: Percentiles
-    added: Percentiles
-    pieces_p50_ms: dict[str, float]
-    # The pieces one request passes through, added up: what the added p50 would be if
-    # nothing else took time (the uncached lookup and the commit floor are left out: the
-    # first is not on a repeat caller's path, the second is inside each commit).
-    pieces_on_path_sum_ms: float
+    gateway: dict[str, Percentiles]
+    added: dict[str, Percentiles]
+    breakdown: dict[str, Breakdown]
+    # Each piece timed on its own, outside any request (the commit floor: PostgreSQL only).
+    pieces_alone_p50_ms: dict[str, float]
 
 
 PIECE_REPEATS = 200
-WARM_UP_PAIRS = 10
-# How often each piece occurs in one request: two database hops (the `request` and the
-# `completion` commits), one to the prepare pool.
-ON_PATH = (
-    "http_round_trip_healthz",
-    "authentication_cached",
-    "validate_template_tokenize",
-    "request_event_commit",
-    "completion_event_commit",
-    "thread_hand_off_db_pool",
-    "thread_hand_off_db_pool",
-    "thread_hand_off_prepare_pool",
-)
+WARM_UP_ROUNDS = 10
 
 
 def _median_ms(call: Callable[[], object], repeats: int = PIECE_REPEATS) -> float:
@@ -98,9 +128,11 @@ def _median_ms(call: Callable[[], object], repeats: int = PIECE_REPEATS) -> floa
     return round(statistics.median(samples) * 1e3, 3)
 
 
-def pieces(base_url: str, services: Services, api_key: str, max_tokens: int) -> dict[str, float]:
-    """Where the added time goes: each piece of the request path timed on its own (median
-    over PIECE_REPEATS), in the serving process, while no request is in flight."""
+def pieces_alone(
+    base_url: str, services: Services, api_key: str, max_tokens: int
+) -> dict[str, float]:
+    """Each piece of the request path timed on its own (median over PIECE_REPEATS), in the
+    serving process, while no request is in flight."""
     backend = services.backend
     body = ChatCompletionRequest.model_validate(
         {"model": backend.card.model_name, "messages": MESSAGES, "max_tokens": max_tokens}
@@ -123,8 +155,17 @@ def pieces(base_url: str, services: Services, api_key: str, max_tokens: int) -> 
             "validate_template_tokenize": _median_ms(
                 lambda: build_job(body, backend, services.settings.max_prompt_bytes)
             ),
-            "request_event_commit": _median_ms(
-                lambda: services.audit.append("bench", principal.key_id, request_payload)
+            # At the head this process wrote (one statement) and, alternated with it, after
+            # another writer moved the head (the locking transaction).
+            **_alternated_ms(
+                {
+                    "request_event_commit": lambda: services.audit.append(
+                        "bench", principal.key_id, request_payload
+                    ),
+                    "request_event_commit_locking": lambda: _locking_append(
+                        services, principal.key_id, request_payload
+                    ),
+                }
             ),
             "completion_event_commit": _median_ms(
                 lambda: services.audit.append("bench", principal.key_id, completion_payload)
@@ -139,6 +180,22 @@ def pieces(base_url: str, services: Services, api_key: str, max_tokens: int) -> 
         }
     loop.close()
     return figures
+
+
+def _alternated_ms(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Each call's median over PIECE_REPEATS rounds, the calls taking turns in each round."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(PIECE_REPEATS):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - started)
+    return {name: round(statistics.median(s) * 1e3, 3) for name, s in samples.items()}
+
+
+def _locking_append(services: Services, actor: str, payload: dict[str, Any]) -> None:
+    services.audit.forget_known_head()
+    services.audit.append("bench", actor, payload)
 
 
 def _commit_floor(services: Services) -> dict[str, float]:
@@ -168,14 +225,23 @@ def percentiles(samples_s: list[float]) -> Percentiles:
 
 
 @contextmanager
-def serving(settings: Settings, port: int = 0) -> Iterator[tuple[str, Services]]:
+def serving(
+    settings: Settings, timeline: Timeline, loop: str = "auto", port: int = 0
+) -> Iterator[tuple[str, Services]]:
     app = create_app(settings)
     listener = socket.socket()
     # Accepted sockets inherit this; without it Nagle's algorithm meets delayed ACKs and
     # every keep-alive response waits ~40 ms (uvicorn sets it only on sockets it binds).
     listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     listener.bind(("127.0.0.1", port))
-    server = GracefulServer(uvicorn_config(app, settings, log_level="warning"), app)
+    config = uvicorn_config(
+        stamped_app(app, timeline),  # type: ignore[arg-type]
+        settings,
+        log_level="warning",
+        loop=loop,
+        lifespan="on",
+    )
+    server = GracefulServer(config, app)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     while not server.started:
@@ -197,9 +263,24 @@ def built_in_engine(services: Services) -> Engine:
     return backend.engine
 
 
+@dataclass
+class Rounds:
+    """Per path, each round's seconds; per gateway mode and for the direct calls, each
+    round's stamps (when stamped)."""
+
+    seconds: dict[str, list[float]]
+    stamps: dict[str, list[list[tuple[str, float]]]]
+
+
 def measure(
-    base_url: str, engine: Engine, api_key: str, requests: int, max_tokens: int
-) -> tuple[list[float], list[float]]:
+    base_url: str,
+    services: Services,
+    api_key: str,
+    requests: int,
+    max_tokens: int,
+    timeline: Timeline,
+) -> Rounds:
+    engine = built_in_engine(services)
     body = {
         "model": engine.model_name,
         "messages": MESSAGES,
@@ -215,37 +296,107 @@ def measure(
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
         speculative=SpeculativeChoice(method="none"),
     )
-    direct: list[float] = []
-    through_gateway: list[float] = []
-    headers = {"authorization": f"Bearer {api_key}"}
+    settings = {
+        mode: services.settings.model_copy(update={"start_before_request_commit": overlap})
+        for mode, overlap in MODES.items()
+    }
+    rounds = Rounds({path: [] for path in PATHS}, {path: [] for path in PATHS})
     expected_tokens = len(engine.generate(direct_request).token_ids)
-    with httpx.Client(base_url=base_url, headers=headers, timeout=60) as client:
+    with loopback_client(base_url, api_key) as client:
+        # The direct call waits as the gateway does, woken once by the final delta
+        # (``result()`` would wake its thread at every token, slowing the engine's thread).
+        waiting = asyncio.new_event_loop()
 
         def one_direct() -> float:
             started = time.perf_counter()
-            engine.generate(direct_request)
+            timeline.mark("engine submitted")
+            handle = stamp_handle(engine.submit(direct_request), timeline)
+            waiting.run_until_complete(handle.result_async())
             return time.perf_counter() - started
 
-        def one_through_gateway() -> float:
-            started = time.perf_counter()
-            response = client.post("/v1/chat/completions", json=body)
-            elapsed = time.perf_counter() - started
-            response.raise_for_status()
-            if response.json()["usage"]["completion_tokens"] != expected_tokens:
-                raise RuntimeError("the gateway generated a different number of tokens")
-            return elapsed
+        def one_through_gateway(mode: str) -> float:
+            services.settings = settings[mode]
+            assert client.stdin is not None and client.stdout is not None
+            client.stdin.write(json.dumps(body) + "\n")
+            client.stdin.flush()
+            answer = json.loads(client.stdout.readline())
+            if answer["status"] != 200 or answer["tokens"] != expected_tokens:
+                raise RuntimeError(f"the gateway answered {answer}, not {expected_tokens} tokens")
+            timeline.mark_at("client sent", answer["sent"])
+            timeline.mark_at("client received", answer["received"])
+            return float(answer["received"] - answer["sent"])
 
-        for index in range(requests + WARM_UP_PAIRS):
-            if index % 2:
-                gateway_s = one_through_gateway()
-                direct_s = one_direct()
-            else:
-                direct_s = one_direct()
-                gateway_s = one_through_gateway()
-            if index >= WARM_UP_PAIRS:
-                direct.append(direct_s)
-                through_gateway.append(gateway_s)
-    return direct, through_gateway
+        calls: dict[str, Callable[[], float]] = {
+            "direct": one_direct,
+            **{mode: functools.partial(one_through_gateway, mode) for mode in MODES},
+        }
+        for index in range(requests + WARM_UP_ROUNDS):
+            shift = index % len(PATHS)
+            for path in PATHS[shift:] + PATHS[:shift]:
+                timeline.take()
+                seconds = calls[path]()
+                marks = timeline.take()
+                if index >= WARM_UP_ROUNDS:
+                    rounds.seconds[path].append(seconds)
+                    if marks:
+                        rounds.stamps[path].append(marks)
+        waiting.close()
+    return rounds
+
+
+@contextmanager
+def loopback_client(base_url: str, api_key: str) -> Iterator[subprocess.Popen[str]]:
+    """``bench.loopback_client`` in its own process (the key passed in its environment)."""
+    client = subprocess.Popen(
+        [sys.executable, "-m", "bench.loopback_client", base_url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "SPECGATE_BENCH_KEY": api_key},
+    )
+    try:
+        yield client
+    finally:
+        assert client.stdin is not None
+        client.stdin.close()
+        client.wait(timeout=30)
+
+
+def added(rounds: Rounds, mode: str) -> list[float]:
+    return [
+        gateway - direct
+        for gateway, direct in zip(rounds.seconds[mode], rounds.seconds["direct"], strict=True)
+    ]
+
+
+ENGINE_EXCESS = "engine: through the gateway minus the direct call"
+DIRECT_WAKE = "the direct call's own wake-up (subtracted)"
+
+
+def breakdown(stamped: Rounds, unstamped: Rounds, mode: str) -> Breakdown:
+    per_request = [intervals(marks) for marks in stamped.stamps[mode]]
+    names = list(PIECES)
+    names += sorted({name for charged in per_request for name in charged} - set(names))
+    means = {name: statistics.fmean(c.get(name, 0.0) for c in per_request) for name in names}
+    medians = {name: statistics.median(c.get(name, 0.0) for c in per_request) for name in names}
+    engine_direct = statistics.fmean(engine_span(m) for m in stamped.stamps["direct"])
+    direct_mean = statistics.fmean(stamped.seconds["direct"])
+    outside = {name: value for name, value in means.items() if name not in ENGINE_STAMPS}
+    pieces = {
+        **outside,
+        ENGINE_EXCESS: sum(means[name] for name in ENGINE_STAMPS) - engine_direct,
+        DIRECT_WAKE: engine_direct - direct_mean,
+    }
+    pieces_sum = sum(pieces.values())
+    return Breakdown(
+        added=percentiles(added(stamped, mode)),
+        added_pieces_mean_ms={name: round(value * 1e3, 3) for name, value in pieces.items()},
+        added_pieces_sum_ms=round(pieces_sum * 1e3, 3),
+        request_pieces_p50_ms={name: round(value * 1e3, 3) for name, value in medians.items()},
+        unattributed_mean_ms=round(
+            (statistics.fmean(added(unstamped, mode)) - pieces_sum) * 1e3, 3
+        ),
+    )
 
 
 def tiny_target(out: Path) -> Path:
@@ -265,9 +416,15 @@ def main() -> None:
     parser.add_argument("--database-url")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument(
+        "--loop",
+        default="auto",
+        help="uvicorn's event loop: auto (uvloop if installed), asyncio, uvloop",
+    )
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
 
+    timeline = Timeline()
     with tempfile.TemporaryDirectory(prefix="specgate-overhead-") as scratch:
         target = tiny_target(Path(scratch) / "tiny") if args.tiny else args.target
         settings = load_settings(
@@ -278,28 +435,34 @@ def main() -> None:
             checkpoint_interval_s=3600.0,
             log_level="warning",
         )
-        with serving(settings) as (base_url, services):
+        with serving(settings, timeline, args.loop) as (base_url, services):
             _, api_key = services.keys.create("app", "bench-gateway-overhead", "bench")
-            direct, through_gateway = measure(
-                base_url, built_in_engine(services), api_key, args.requests, args.max_tokens
+            unstamped = measure(
+                base_url, services, api_key, args.requests, args.max_tokens, timeline
             )
-            breakdown = pieces(base_url, services, api_key, args.max_tokens)
+            instrument(services, timeline)
+            timeline.enabled = True
+            stamped = measure(base_url, services, api_key, args.requests, args.max_tokens, timeline)
+            timeline.enabled = False
+            services.settings = settings
+            alone = pieces_alone(base_url, services, api_key, args.max_tokens)
             services.keys.revoke("bench-gateway-overhead", "bench")
-    added = [gateway - engine for gateway, engine in zip(through_gateway, direct, strict=True)]
     result = OverheadResult(
         requests=args.requests,
         max_tokens=args.max_tokens,
         database=settings.public_snapshot()["database_url"].split(":", 1)[0],
+        loop=timeline.loop,
         load_average_1m=round(os.getloadavg()[0], 2),
-        direct=percentiles(direct),
-        gateway=percentiles(through_gateway),
-        added=percentiles(added),
-        pieces_p50_ms=breakdown,
-        pieces_on_path_sum_ms=round(sum(breakdown[name] for name in ON_PATH), 3),
+        direct=percentiles(unstamped.seconds["direct"]),
+        gateway={mode: percentiles(unstamped.seconds[mode]) for mode in MODES},
+        added={mode: percentiles(added(unstamped, mode)) for mode in MODES},
+        breakdown={mode: breakdown(stamped, unstamped, mode) for mode in MODES},
+        pieces_alone_p50_ms=alone,
     )
-    print(json.dumps(asdict(result), indent=2))
+    report: dict[str, Any] = asdict(result)
+    print(json.dumps(report, indent=2))
     if args.json is not None:
-        args.json.write_text(json.dumps(asdict(result), indent=2) + "\n")
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

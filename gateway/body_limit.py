@@ -68,7 +68,10 @@ class BodySizeLimitMiddleware:
             if body_done:  # later receives wait for the disconnect: no bound on those
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), timeout_s)
+                # A timeout scope, not ``wait_for``: on Python 3.11 that wraps the receive in
+                # a task of its own, one more turn of the event loop per body message.
+                async with asyncio.timeout(timeout_s):
+                    message = await receive()
             except TimeoutError:
                 raise _TooSlow(timeout_s) from None
             if message["type"] == "http.request":

@@ -1,7 +1,9 @@
 """What the routes are given: the services the app holds in ``app.state.services``.
 
 Routes declare what they need with the ``Annotated`` aliases below (FastAPI's dependency
-style), so that a route never reaches into ``app.state`` itself.
+style), so that a route never reaches into ``app.state`` itself. The dependencies are
+``async`` although they never wait: FastAPI runs a plain ``def`` dependency on anyio's
+shared thread pool, a thread hop each way on every request.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class Services:
     leases: Leases
 
 
-def get_services(request: Request) -> Services:
+def services_of(request: Request) -> Services:
+    """The app's services; 503 ``not_ready`` while it starts or stops."""
     services: Services | None = request.app.state.services
     if services is None:
         raise APIError(
@@ -61,20 +64,24 @@ def get_services(request: Request) -> Services:
     return services
 
 
-def get_backend(request: Request) -> GenerationBackend:
-    return get_services(request).backend
+async def get_services(request: Request) -> Services:
+    return services_of(request)
 
 
-def get_audit(request: Request) -> AuditLog:
-    return get_services(request).audit
+async def get_backend(request: Request) -> GenerationBackend:
+    return services_of(request).backend
 
 
-def get_keys(request: Request) -> KeyStore:
-    return get_services(request).keys
+async def get_audit(request: Request) -> AuditLog:
+    return services_of(request).audit
 
 
-def get_settings(request: Request) -> Settings:
-    return get_services(request).settings
+async def get_keys(request: Request) -> KeyStore:
+    return services_of(request).keys
+
+
+async def get_settings(request: Request) -> Settings:
+    return services_of(request).settings
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]

@@ -1,6 +1,8 @@
 """One audited generation: OpenAI request -> `request` event -> backend -> `completion` event.
 
-Fail closed: the `request` event is committed before the backend sees the request, and a
+Fail closed: the `request` event is committed before the backend sees the request (or, with
+``start_before_request_commit``, before anything the backend generated is read: the response
+starts only after the commit, and a failed commit cancels the generation), and a
 non-streaming response leaves only after its `completion` event is committed; a stream ends
 with ``[DONE]`` only after its `completion` event is committed.
 """
@@ -12,10 +14,10 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
 import structlog
@@ -86,6 +88,8 @@ from gateway.schemas import (
 )
 
 log = structlog.get_logger(__name__)
+
+Answer = TypeVar("Answer")
 
 Kind = Literal["chat", "completion"]
 ROUTES: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
@@ -676,8 +680,15 @@ class AuditedGeneration:
         return self.commitments
 
     async def _submit(self) -> list[Generation]:
+        """Commit the `request` event and hand the job to the backend: after the commit, or
+        (``start_before_request_commit``) while it is in flight. Either way the generations
+        are returned, and so read, only once the event is committed; when it is not, they
+        are cancelled before anything of them was read."""
         job = self.job
         services = self.services
+        early = services.settings.start_before_request_commit
+        submit_error: EngineError | None = None
+        self.choices = [_ChoiceState() for _ in job.sampling]
         subject = user_subject(job.user) if job.user else key_owner_subject(self.principal.key_id)
         subject_ref = services.privacy.subject_ref(subject)
         attempt: Future[AppendedEvent] | None = None
@@ -718,14 +729,31 @@ class AuditedGeneration:
                     "prompt",
                     content,
                 )
+            if early:
+                submit_error = self._start_backend()
             self.request_event = await services.offload.wait_db(attempt, "request append")
         except AuditUnavailableError as error:
+            self._cancel_handles()
             log.error("request_not_audited", error=str(error))
             if attempt is not None:
                 attempt.add_done_callback(self._answer_late_request)
             raise audit_unavailable() from error
-        self.choices = [_ChoiceState() for _ in job.sampling]
-        handles = self.handles
+        except BaseException:
+            self._cancel_handles()
+            raise
+        if not early:
+            submit_error = self._start_backend()
+        if submit_error is not None:
+            self._cancel_handles()
+            await self.close_quietly("error", str(submit_error))
+            raise from_engine_error(submit_error) from submit_error
+        services.lifecycle.track(self.handles)
+        return self.handles
+
+    def _start_backend(self) -> EngineError | None:
+        """Submit every choice to the backend; the error that refused one (the ones already
+        submitted stay in ``handles``, for the caller to cancel), or None."""
+        job = self.job
         try:
             for index, sampling in enumerate(job.sampling):
                 request = GenerationRequest(
@@ -735,14 +763,14 @@ class AuditedGeneration:
                     request_id=f"{job.request_id}-{index}",
                     compiled=job.compiled,
                 )
-                handles.append(self.backend.submit(request))
+                self.handles.append(self.backend.submit(request))
         except EngineError as error:
-            for handle in handles:
-                handle.cancel()
-            await self.close_quietly("error", str(error))
-            raise from_engine_error(error) from error
-        services.lifecycle.track(handles)
-        return handles
+            return error
+        return None
+
+    def _cancel_handles(self) -> None:
+        for handle in self.handles:
+            handle.cancel()
 
     def _answer_late_request(self, attempt: Future[AppendedEvent]) -> None:
         """A `request` event that commits after the client was told 503 gets a `completion`
@@ -756,8 +784,10 @@ class AuditedGeneration:
         except OSError:
             log.exception("late_request_not_answered")
 
-    async def run(self) -> list[GenerationResult]:
-        """Non-streaming: wait for every choice, then commit the `completion` event."""
+    async def run(self, render: Callable[[list[GenerationResult]], Answer]) -> Answer:
+        """Non-streaming: wait for every choice, then commit the `completion` event and
+        return ``render(results)``, which is built while the commit is in flight (it is
+        returned, and so sent, only once the event is committed or spooled)."""
         handles = await self.open()
         try:
             results = list(await asyncio.gather(*(handle.result_async() for handle in handles)))
@@ -778,12 +808,13 @@ class AuditedGeneration:
             state.token_ids = list(result.token_ids)
             state.logprobs = list(result.logprobs or ())
             state.finish_reason, state.stats = result.finish_reason, result.stats
+        answers: list[Answer] = []
         try:
-            await self.close("ok", None)
+            await self.close("ok", None, lambda: answers.append(render(results)))
         except AuditUnavailableError as error:
             log.error("completion_not_audited", error=str(error))
             raise completion_not_recorded() from error
-        return results
+        return answers[0]
 
     async def stream(self, handles: list[Generation]) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, then usage (when asked), then
@@ -888,15 +919,40 @@ class AuditedGeneration:
             self.slots.release()
             self.slots = None
 
-    async def close(self, outcome: str, error: str | None) -> None:
+    async def close(
+        self, outcome: str, error: str | None, meanwhile: Callable[[], None] | None = None
+    ) -> None:
         """Commit the `completion` event for whatever the choices hold now: directly, or
         through the durable spool when the store does not answer in time. Raises
-        AuditUnavailableError only when neither could take it."""
+        AuditUnavailableError only when neither could take it. The telemetry of the result,
+        and ``meanwhile``, run on the loop while the commit is in flight."""
         self.finish()
         self.closed = True
         payload = self._completion_payload(outcome, error)
         telemetry = self.telemetry
         assert telemetry is not None
+
+        def alongside() -> None:
+            self._record_outcome(telemetry, outcome)
+            if meanwhile is not None:
+                meanwhile()
+
+        services = self.services
+        try:
+            with telemetry.activate():
+                await append_durably(
+                    services.offload,
+                    services.spool,
+                    "completion",
+                    self.principal.key_id,
+                    payload,
+                    self._sealed_completion(),
+                    meanwhile=alongside,
+                )
+        finally:
+            telemetry.end()
+
+    def _record_outcome(self, telemetry: CompletionTelemetry, outcome: str) -> None:
         stats = self.stats()
         if stats is not None:
             telemetry.record_result(
@@ -908,19 +964,6 @@ class AuditedGeneration:
             )
         if outcome != "ok":
             telemetry.record_error(outcome)
-        services = self.services
-        try:
-            with telemetry.activate():
-                await append_durably(
-                    services.offload,
-                    services.spool,
-                    "completion",
-                    self.principal.key_id,
-                    payload,
-                    self._sealed_completion(),
-                )
-        finally:
-            telemetry.end()
 
     async def close_quietly(self, outcome: str, error: str) -> None:
         """Record a failed or abandoned request; the client hears of the original failure."""

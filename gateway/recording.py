@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from datetime import UTC, datetime
 from typing import Any
 
@@ -42,13 +43,38 @@ async def append_durably(
     actor: str | None,
     payload: dict[str, Any],
     content: SealedContent | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> bool:
     """Commit an event that must not be lost: directly when the store answers in time, else
     into the durable spool (committed later, once). True when committed directly. Raises
     AuditUnavailableError only when the spool cannot be written either. ``content``, sealed
-    before this call, is stored with the event either way, in the event's transaction."""
+    before this call, is stored with the event either way, in the event's transaction.
+    ``meanwhile`` runs on the caller's thread while the direct attempt commits (work that
+    need not come before the commit); whatever it raises is raised once the event is safe."""
     attempted_at = datetime.now(UTC)
     attempt = offload.submit_db(spool.commit, kind, actor, payload, content)
+    failure: BaseException | None = None
+    if meanwhile is not None:
+        try:
+            meanwhile()
+        except BaseException as error:  # the event is committed or spooled first
+            failure = error
+    committed = await _settle(offload, spool, kind, actor, payload, content, attempt, attempted_at)
+    if failure is not None:
+        raise failure
+    return committed
+
+
+async def _settle(
+    offload: Offload,
+    spool: EventSpool,
+    kind: str,
+    actor: str | None,
+    payload: dict[str, Any],
+    content: SealedContent | None,
+    attempt: Future[AppendedEvent],
+    attempted_at: datetime,
+) -> bool:
     try:
         await offload.wait_db(attempt, f"{kind} append")
         return True

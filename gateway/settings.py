@@ -285,6 +285,13 @@ class Settings(BaseSettings):
         description="Longest a request waits for a database call (key lookup, audit append) "
         "before it is answered 503 audit_unavailable; also bounds /readyz.",
     )
+    start_before_request_commit: bool = Field(
+        default=False,
+        description="Start the engine on a request while its `request` event is being "
+        "committed. No output leaves before the commit lands; if it fails the generation is "
+        "cancelled and the client gets 503 audit_unavailable. Off: the engine is given the "
+        "request only after the commit.",
+    )
     key_cache_ttl_s: float = Field(
         default=5.0,
         ge=0,

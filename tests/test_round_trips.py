@@ -3,6 +3,7 @@ network) that every request pays, so their number is checked, not just the resul
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,27 +58,85 @@ def test_key_lookup_sends_no_transaction_commands(
 def test_an_append_is_one_locking_read_and_its_writes(
     pg: sa.Engine, tmp_path: Path, commands: list[bytes]
 ) -> None:
-    """BEGIN, the head row locked (its lock timeout set in the same statement), the event,
-    the Merkle nodes it completes, the new head, COMMIT: nothing else reaches the server."""
+    """A log that does not know the head (its first append, or another writer moved it):
+    BEGIN, the head row locked (its lock timeout set in the same statement), the event, the
+    Merkle nodes it completes, the new head, COMMIT. Nothing else reaches the server."""
     log = AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem"), lock_timeout_s=0.5)
+    other = AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem"))
     log.append("request", "key_a", {"i": 0})
-    statements: list[str] = []
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        statements.append(" ".join(statement.split()[:3]))
-
-    sa.event.listen(pg, "before_cursor_execute", record)
+    other.append("request", "key_b", {"i": 1})  # the head is no longer the one `log` wrote
+    statements = _statements(pg)
     commands.clear()
-    log.append("request", "key_a", {"i": 1})  # the second leaf completes a level-1 node
-    sa.event.remove(pg, "before_cursor_execute", record)
-    assert statements == [
+    log.append("request", "key_a", {"i": 2})  # the third leaf completes no node
+    other.append("request", "key_b", {"i": 3})  # the fourth completes two
+    assert [" ".join(s.split()[:3]) for s in statements] == [
+        "WITH moved AS",  # tried at the head `log` knew: nothing written
+        "SELECT audit_head.id, audit_head.tree_size,",
+        "INSERT INTO audit_events",
+        "UPDATE audit_head SET",
+        "WITH moved AS",
         "SELECT audit_head.id, audit_head.tree_size,",
         "INSERT INTO audit_events",
         "INSERT INTO audit_merkle_nodes",
         "UPDATE audit_head SET",
     ]
-    assert commands == [b"BEGIN", b"COMMIT"]
+    # (BEGIN names the isolation level on a connection last used in autocommit.)
+    assert [command.split()[0] for command in commands] == [b"BEGIN", b"COMMIT"] * 2
     assert log.verify().ok
+
+
+def test_an_append_at_the_head_this_log_wrote_is_one_statement(
+    pg: sa.Engine, tmp_path: Path, commands: list[bytes]
+) -> None:
+    """After its own append, a log knows the head: the next append is one statement in
+    autocommit (its events, their Merkle nodes, the new head), with no BEGIN or COMMIT."""
+    log = AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem"), lock_timeout_s=0.5)
+    first = log.append("request", "key_a", {"i": 0})
+    statements = _statements(pg)
+    commands.clear()
+    appended = [log.append("request", "key_a", {"i": i}) for i in range(1, 4)]
+    assert [" ".join(s.split()[:3]) for s in statements] == ["WITH moved AS"] * 3
+    assert commands == []
+    assert [event.seq for event in appended] == [first.seq + 1, first.seq + 2, first.seq + 3]
+    report = log.verify()
+    assert report.ok and report.events_checked == first.seq + 3, report
+
+
+def test_appends_at_a_known_head_racing_another_writer_keep_one_chain(
+    pg: sa.Engine, tmp_path: Path
+) -> None:
+    """Two logs (two replicas) appending from four threads each: every append lands once, in
+    one chain that verifies, whichever path each took."""
+    signer = CheckpointSigner.load_or_create(tmp_path / "s.pem")
+    logs = [AuditLog(pg, signer), AuditLog(pg, signer)]
+    before = logs[0].append("request", "key_a", {"start": True}).seq
+    appended: list[int] = []
+
+    def work(log: AuditLog, worker: int) -> None:
+        for i in range(10):
+            appended.append(log.append("request", f"key_{worker}", {"i": i}).seq)
+
+    threads = [
+        threading.Thread(target=work, args=(log, worker)) for worker, log in enumerate(logs * 4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(appended) == list(range(before + 1, before + 81))
+    report = logs[1].verify()
+    assert report.ok and report.events_checked == before + 80, report
+
+
+def _statements(engine: sa.Engine) -> list[str]:
+    """The statements ``engine`` sends from now on."""
+    sent: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        sent.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    return sent
 
 
 def _pooled_backend_pids(engine: sa.Engine) -> set[int]:

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.audit.canonical import event_bytes, format_timestamp, normalise_payload
+from gateway.audit.known_head import KnownHead, append_at
 from gateway.audit.legacy import LEGACY_KIND, LegacyPrefix, declaration_payload
 from gateway.audit.mac import EventMac
 from gateway.audit.merkle import (
@@ -59,7 +60,7 @@ from gateway.audit.schema import audit_events, audit_head, audit_merkle_nodes
 from gateway.audit.signing import CheckpointSigner
 from gateway.audit.state import SignedState, load_state, save_state
 from gateway.audit.verify import VerifyReport, event_problem, verify_export
-from gateway.db import execute_first, once_more_if_ended, write_connection
+from gateway.db import execute_first, once_more_if_ended, read_connection, write_connection
 
 log = structlog.get_logger(__name__)
 
@@ -189,7 +190,43 @@ def _insert(
     frontier = _frontier(head.tree_size, head.frontier)
     if not events:
         return [], frontier
-    seq, prev_hash = head.tree_size, head.head_hash
+    written = build_events(events, head.head_hash, frontier, mac)
+    connection.execute(sa.insert(audit_events), written.rows)
+    if written.nodes:
+        connection.execute(sa.insert(audit_merkle_nodes), written.nodes)
+    connection.execute(
+        sa.update(audit_head)
+        .where(audit_head.c.id == 1)
+        .values(
+            tree_size=frontier.size,
+            head_hash=written.head_hash,
+            frontier=b"".join(frontier.hashes),
+        )
+    )
+    appended = written.appended
+    return appended[1:] if declare else appended, frontier
+
+
+@dataclass
+class BuiltEvents:
+    """Events ready to insert after a head: their rows, the Merkle nodes they complete, what
+    each caller is told, and the chain's new head hash."""
+
+    rows: list[dict[str, Any]]
+    nodes: list[dict[str, Any]]
+    appended: list[AppendedEvent]
+    head_hash: str
+
+
+def build_events(
+    events: Sequence[tuple[str, str | None, dict[str, Any]]],
+    head_hash: str,
+    frontier: CompactRange,
+    mac: EventMac | None,
+) -> BuiltEvents:
+    """Chain ``events`` after the head (``head_hash``, the tree ``frontier``, which is
+    extended in place to cover them)."""
+    seq, prev_hash = frontier.size, head_hash
     rows: list[dict[str, Any]] = []
     nodes: list[dict[str, Any]] = []
     appended: list[AppendedEvent] = []
@@ -219,15 +256,7 @@ def _insert(
         nodes += [{"level": n[0], "idx": n[1], "hash": h} for n, h in frontier.append(leaf) if n[0]]
         appended.append(AppendedEvent(seq, event_id, digest, created_at, leaf))
         prev_hash = digest
-    connection.execute(sa.insert(audit_events), rows)
-    if nodes:
-        connection.execute(sa.insert(audit_merkle_nodes), nodes)
-    connection.execute(
-        sa.update(audit_head)
-        .where(audit_head.c.id == 1)
-        .values(tree_size=seq, head_hash=prev_hash, frontier=b"".join(frontier.hashes))
-    )
-    return appended[1:] if declare else appended, frontier
+    return BuiltEvents(rows, nodes, appended, prev_hash)
 
 
 def legacy_declaration_due(connection: sa.Connection, head: sa.Row[Any]) -> bool:
@@ -322,6 +351,8 @@ class AuditLog:
         # (size, root) after this process's newest committed append: the database must keep
         # extending it, even before a checkpoint covers it.
         self._appended: tuple[int, bytes] = (0, b"")
+        # The head after this process's last append, on PostgreSQL (None: not known).
+        self._known_head: KnownHead | None = None
 
     @property
     def signer(self) -> CheckpointSigner:
@@ -365,6 +396,7 @@ class AuditLog:
         ``gateway.db.write_connection``), so that it commits or rolls back with the caller's
         own change."""
         kind, actor = _checked_event(kind, actor)
+        self.forget_known_head()  # this transaction moves the head
         (appended,) = insert_events(
             connection,
             [(kind, actor, normalise_payload(payload))],
@@ -395,7 +427,8 @@ class AuditLog:
                     return
 
     def _write(self, batch: list[_Pending]) -> None:
-        """Commit ``batch`` in one transaction; hand each caller its result or the error."""
+        """Commit ``batch`` in one transaction (one statement when this process wrote the
+        head: ``gateway.audit.known_head``); hand each caller its result or the error."""
         events = [(p.kind, p.actor, p.payload) for p in batch]
 
         def commit() -> tuple[list[AppendedEvent], CompactRange]:
@@ -403,8 +436,12 @@ class AuditLog:
                 return _insert(connection, events, self._mac, self._lock_timeout_s)
 
         try:
-            results, frontier = once_more_if_ended(commit)
+            known, self._known_head = self._known_head, None
+            written = None if known is None else self._append_at(known, events)
+            results, frontier = written or once_more_if_ended(commit)
             self._remember(frontier)
+            if self._db.dialect.name == "postgresql":
+                self._known_head = KnownHead.after(frontier, results[-1].event_hash)
         except BaseException as exc:  # every waiting caller must wake, whatever happened
             for pending in batch:
                 pending.error = exc
@@ -414,6 +451,45 @@ class AuditLog:
         for pending in batch:
             pending.done = True
             pending.wake.set()
+
+    def forget_known_head(self) -> None:
+        """Make the next append take the head row's lock and read the head, as it does after
+        another writer's append (``gateway.audit.known_head``)."""
+        self._known_head = None
+
+    def _append_at(
+        self, known: KnownHead, events: list[tuple[str, str | None, dict[str, Any]]]
+    ) -> tuple[list[AppendedEvent], CompactRange] | None:
+        """The events written in one statement after the head this process wrote last, or
+        None (nothing written) when the head has moved since. A failure is not retried: the
+        statement may have committed."""
+        frontier = known.frontier()
+        built = build_events(events, known.head_hash, frontier, self._mac)
+        try:
+            with read_connection(self._db) as connection:
+                moved = append_at(
+                    connection,
+                    known,
+                    frontier,
+                    built.head_hash,
+                    built.rows,
+                    built.nodes,
+                    self._lock_timeout_s,
+                )
+        except sa.exc.DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+            # The connection ended under the statement (server restart, failover): whether
+            # it committed is read back by the first event's id, on a fresh connection.
+            if self._written(built.appended[0].event_id):
+                return built.appended, frontier
+            return None
+        return (built.appended, frontier) if moved else None
+
+    def _written(self, event_id: str) -> bool:
+        query = sa.select(audit_events.c.seq).where(audit_events.c.event_id == event_id)
+        with read_connection(self._db) as connection:
+            return connection.execute(query).first() is not None
 
     def ping(self) -> bool:
         def probe() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -115,9 +116,12 @@ async def _serve(generation: AuditedGeneration) -> StreamingResponse | None:
     return _AuditedStream(generation, handles)
 
 
-async def _results(generation: AuditedGeneration) -> list[Any]:
+async def _answer(
+    generation: AuditedGeneration, render: Callable[[list[Any]], JSONResponse]
+) -> JSONResponse:
+    """The non-streaming answer, rendered while the `completion` event commits."""
     try:
-        return await generation.run()
+        return await generation.run(render)
     finally:
         generation.finish()
 
@@ -145,20 +149,23 @@ async def chat_completions(
     streaming = await _serve(generation)
     if streaming is not None:
         return streaming
-    results = await _results(generation)
     job = generation.job
-    return _json(
-        ChatCompletion(
-            id=job.response_id,
-            created=job.created,
-            model=services.backend.card.model_name,
-            system_fingerprint=system_fingerprint(services.backend.card),
-            choices=[_chat_choice(generation, i, r) for i, r in enumerate(results)],
-            usage=Usage(**generation.usage()),
-            speculative=generation.speculative(),
-        ),
-        generation,
-    )
+
+    def render(results: list[Any]) -> JSONResponse:
+        return _json(
+            ChatCompletion(
+                id=job.response_id,
+                created=job.created,
+                model=services.backend.card.model_name,
+                system_fingerprint=system_fingerprint(services.backend.card),
+                choices=[_chat_choice(generation, i, r) for i, r in enumerate(results)],
+                usage=Usage(**generation.usage()),
+                speculative=generation.speculative(),
+            ),
+            generation,
+        )
+
+    return await _answer(generation, render)
 
 
 @router.post("/completions", response_model=Completion)
@@ -169,25 +176,28 @@ async def completions(
     streaming = await _serve(generation)
     if streaming is not None:
         return streaming
-    results = await _results(generation)
     job = generation.job
-    return _json(
-        Completion(
-            id=job.response_id,
-            created=job.created,
-            model=services.backend.card.model_name,
-            system_fingerprint=system_fingerprint(services.backend.card),
-            choices=[
-                CompletionChoice(
-                    index=i,
-                    text=r.text,
-                    finish_reason=r.finish_reason,
-                    logprobs=completion_logprobs(r.logprobs),
-                )
-                for i, r in enumerate(results)
-            ],
-            usage=Usage(**generation.usage()),
-            speculative=generation.speculative(),
-        ),
-        generation,
-    )
+
+    def render(results: list[Any]) -> JSONResponse:
+        return _json(
+            Completion(
+                id=job.response_id,
+                created=job.created,
+                model=services.backend.card.model_name,
+                system_fingerprint=system_fingerprint(services.backend.card),
+                choices=[
+                    CompletionChoice(
+                        index=i,
+                        text=r.text,
+                        finish_reason=r.finish_reason,
+                        logprobs=completion_logprobs(r.logprobs),
+                    )
+                    for i, r in enumerate(results)
+                ],
+                usage=Usage(**generation.usage()),
+                speculative=generation.speculative(),
+            ),
+            generation,
+        )
+
+    return await _answer(generation, render)
