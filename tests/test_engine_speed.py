@@ -1,16 +1,24 @@
-"""Speed settings of the engine: passive OpenMP threads, and ``--dtype auto`` measured."""
+"""Speed settings of the engine: passive OpenMP threads, ``--dtype auto`` measured, and the
+prepacked linear weights it serves with (``engine.packed_linear``)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import engine.dtype_choice as dtype_choice
 import engine.loading as loading
+from engine.config import EngineConfig
+from engine.packed_linear import PackedLinear
+from engine.service import Engine
+from engine.types import GenerationRequest, SamplingParams
+from tests.tiny_models import build_model, build_tokenizer
 
 
 def test_the_specgate_command_makes_openmp_threads_wait_passively() -> None:
@@ -69,3 +77,70 @@ def test_pick_dtype_measures_large_models_on_cpus_with_native_bfloat16(
     monkeypatch.setattr(loading, "cpu_has_native_bfloat16", lambda: False)
     assert loading.pick_dtype("auto", cpu, big, config) == torch.float32  # type: ignore[arg-type]
     assert asked == [(576, 1536)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 3, 48)])
+def test_packed_linear_computes_the_layers_product_within_rounding(
+    dtype: torch.dtype, bias: bool, shape: tuple[int, ...]
+) -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
+    packed = PackedLinear(layer)
+    x = torch.randn(shape).to(dtype)
+    with torch.inference_mode():
+        got = packed(x)
+    exact = x.double() @ layer.weight.double().T
+    if layer.bias is not None:
+        exact += layer.bias.double()
+    assert got.shape == (*shape[:-1], 80) and got.dtype == dtype
+    # The sum rounds to the dtype once per output, plus float32 accumulation over 48 terms.
+    tolerance = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
+    scale = x.double().abs() @ layer.weight.double().abs().T + 1.0
+    assert ((got.double() - exact).abs() / scale).max() <= tolerance
+
+
+def test_packed_linear_keeps_the_parameters_and_trains_through_them() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    packed = PackedLinear(layer)
+    assert packed.weight is layer.weight and packed.bias is layer.bias
+    x = torch.randn(3, 16, requires_grad=True)
+    packed(x).square().sum().backward()
+    expected = x.detach().clone().requires_grad_(True)
+    weight, bias = layer.weight.detach(), layer.bias.detach()
+    torch.nn.functional.linear(expected, weight, bias).square().sum().backward()
+    assert x.grad is not None and expected.grad is not None
+    torch.testing.assert_close(x.grad, expected.grad)
+    assert layer.weight.grad is not None
+
+
+def test_the_engine_serves_its_target_with_packed_linears_and_a_tied_head_stays_tied(
+    tmp_path: Path,
+) -> None:
+    tokenizer = build_tokenizer()
+    directory = build_model(tmp_path / "target", tokenizer, seed=0)
+    config = AutoConfig.from_pretrained(directory)
+    config.tie_word_embeddings = True
+    tied = AutoModelForCausalLM.from_config(config)
+    tied.save_pretrained(directory)
+    model = loading.load_model(directory, torch.device("cpu"), "float32")
+    plain = loading.load_model(directory, torch.device("cpu"), "float32")
+    engine = Engine(EngineConfig(target=directory), model, tokenizer, "v")
+    try:
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(isinstance(m, PackedLinear) for m in linears)
+        head = model.get_output_embeddings()
+        assert head.weight is model.get_input_embeddings().weight
+        prompt = tokenizer.encode("def add(a, b):\n")
+        request = GenerationRequest(
+            tuple(prompt), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        )
+        expected = plain.generate(
+            torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, len(prompt):].tolist()
+        assert list(engine.generate(request).token_ids) == expected
+    finally:
+        engine.close()
