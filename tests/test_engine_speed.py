@@ -1,5 +1,6 @@
 """Speed settings of the engine: passive OpenMP threads, ``--dtype auto`` measured, and the
-prepacked linear weights it serves with (``engine.packed_linear``)."""
+prepacked linear weights it serves with (``engine.packed_linear``), and float32 attention for
+half-precision steps (``engine.attention``)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin
 
 import engine.dtype_choice as dtype_choice
 import engine.loading as loading
+from engine.attention import FLOAT32_ATTENTION_ROWS, cpu_gqa_sdpa_forward
 from engine.config import EngineConfig
 from engine.packed_linear import PackedLinear
 from engine.service import Engine
@@ -137,10 +140,42 @@ def test_the_engine_serves_its_target_with_packed_linears_and_a_tied_head_stays_
         request = GenerationRequest(
             tuple(prompt), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         )
-        expected = plain.generate(
+        expected = GenerationMixin.generate(
+            plain,
             torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
         )[0, len(prompt):].tolist()
         assert list(engine.generate(request).token_ids) == expected
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("rows", [1, 5, FLOAT32_ATTENTION_ROWS + 1])
+def test_half_precision_steps_attend_in_float32_and_prefill_chunks_as_they_are(
+    grouped: bool, rows: int
+) -> None:
+    torch.manual_seed(0)
+    kv_heads = 2 if grouped else 4
+    module = torch.nn.Module()
+    module.num_key_value_groups = 4 // kv_heads  # type: ignore[assignment]
+    module.is_causal = True  # type: ignore[assignment]
+    module.eval()
+    query = torch.randn(1, 4, rows, 16).to(torch.bfloat16)
+    key, value = (torch.randn(1, kv_heads, 40, 16).to(torch.bfloat16) for _ in range(2))
+    mask = torch.ones(1, 1, rows, 40, dtype=torch.bool)
+    mask[..., 40 - rows :] = torch.ones(rows, rows, dtype=torch.bool).tril()
+    out, _ = cpu_gqa_sdpa_forward(module, query, key, value, mask, scaling=0.25)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, rows, 4, 16)
+
+    def attend(dtype: torch.dtype) -> torch.Tensor:
+        q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
+        if not grouped:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True
+        )
+
+    in_float32 = rows <= FLOAT32_ATTENTION_ROWS
+    expected = attend(torch.float32 if in_float32 else torch.bfloat16).to(torch.bfloat16)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=0, atol=0)
