@@ -1,10 +1,20 @@
-"""SDPA attention for CPU passes that attends grouped KV heads in place.
+"""SDPA attention for CPU passes that attends grouped KV heads in place, and attends in
+float32 where PyTorch's half-precision CPU kernel is slow.
 
 Transformers' ``sdpa`` attention copies every cached key and value once per query-head group
 (``repeat_kv``) whenever a mask is given, which it always is for a pass of several tokens over
 a cache, because CUDA's fused kernels cannot take grouped heads with a mask. PyTorch's CPU
 kernel can (``enable_gqa``), so on CPU verification passes skip that copy of the whole cache
 in every layer. Everything else is left to transformers' own ``sdpa``.
+
+PyTorch's CPU flash attention in bfloat16 costs about 1 us per cached position for a single
+query row (it repacks keys and values for its bfloat16 kernel at every call), 4-5x what the
+float32 kernel takes with the casts included: on SmolLM2-135M at 400 positions, 414 against
+111 us per layer (docs/engine.md, "Speed on CPU"). So a half-precision pass of at most
+``FLOAT32_ATTENTION_ROWS`` rows (decode and verification steps) attends in float32 and rounds
+the result back; the keys and values stay in the model's dtype in the cache, and prefill
+chunks, where the half-precision kernel amortises its repacking, are left as they are. Plain
+and verification steps thus attend alike, in float32, whatever their row count.
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 CPU_GQA_SDPA = "specgate_cpu_gqa_sdpa"
+# Passes of at most this many query rows attend in float32 when the model is in half precision.
+FLOAT32_ATTENTION_ROWS = 16
 # Keyword arguments that only transformers' own sdpa path handles.
 _SPECIAL = ("position_bias", "softcap", "s_aux", "sinks")
 
@@ -34,16 +46,26 @@ def cpu_gqa_sdpa_forward(
 ) -> tuple[torch.Tensor, None]:
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     special = any(kwargs.get(name) is not None for name in _SPECIAL)
-    if not grouped or special or query.device.type != "cpu" or module.training:
+    if special or query.device.type != "cpu" or module.training:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    dtype = query.dtype
+    if dtype in (torch.bfloat16, torch.float16) and query.shape[2] <= FLOAT32_ATTENTION_ROWS:
+        query, key, value = query.float(), key.float(), value.float()
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.float()
+    if not grouped:
+        out, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+        return out.to(dtype), None
     causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=causal,
         enable_gqa=True,
     )
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous().to(dtype), None
 
 
 AttentionInterface.register(CPU_GQA_SDPA, cpu_gqa_sdpa_forward)

@@ -7,55 +7,71 @@ only fast where the CPU computes it natively (AVX512-BF16, AMX); where it is emu
 many times slower, and on some CPUs float32 kernels win at small widths. Measured here on an
 AMD EPYC with AVX512-BF16 (2 shared cores), SmolLM2-135M's layer shapes: bfloat16 1.6x
 faster for one token and 3x faster for five (float32 kernels slow down sharply past one row).
-Timing takes a few tens of milliseconds, once per shape per process.
+Timing takes well under a second on a quiet machine (several seconds at a load of 7 on 2
+cores), once per shape per process.
 """
 
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 
 import torch
 
+from engine.packed_linear import PackedLinear, can_pack
+
 CANDIDATES = (torch.bfloat16, torch.float32)
 # Enough copies of a layer's weights that each pass reads them from memory, not from cache.
 _COLD_BYTES = 64 * 1024 * 1024
-_ROUNDS = 3
+_ROUNDS = 5
 
 
-def _seconds(weights: list[torch.Tensor], rows: int) -> float:
-    """Median time of one sweep of products of ``rows`` input rows with every weight."""
-    inputs = {
-        w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights
-    }
-    times = []
-    for _ in range(_ROUNDS + 1):  # the first round warms up
-        started = time.perf_counter()
-        for w in weights:
-            torch.nn.functional.linear(inputs[w.shape[1]], w)
-        times.append(time.perf_counter() - started)
-    return sorted(times[1:])[_ROUNDS // 2]
+def _sweep_seconds(layers: list[torch.nn.Linear], inputs: dict[int, torch.Tensor]) -> float:
+    """CPU seconds of one sweep of products through every layer, each of its input rows
+    (``inputs`` by width). CPU time, not wall time: other processes on shared cores stretch
+    a sweep's wall time by whatever they take, which at a load of several times the cores
+    decided the choice more than the kernels did."""
+    started = time.process_time()
+    for layer in layers:
+        layer(inputs[layer.in_features])
+    return time.process_time() - started
 
 
 @functools.cache
 def faster_cpu_dtype(hidden: int, intermediate: int, verify_tokens: int = 5) -> torch.dtype:
-    """The candidate dtype with the least time for a one-token and a ``verify_tokens``-token
-    pass through a decoder layer's projections (hidden to hidden, and to and from
-    ``intermediate``), over cache-cold copies of them."""
+    """The candidate dtype with the least median CPU time for a one-token plus a
+    ``verify_tokens``-token pass through a decoder layer's projections (hidden to hidden, and
+    to and from ``intermediate``), over cache-cold copies of them, through the layers the
+    engine serves with (``engine.packed_linear``). Rounds alternate between the dtypes so that
+    a change of load hits both alike."""
     shapes = [(hidden, hidden), (hidden, hidden), (intermediate, hidden),
               (intermediate, hidden), (hidden, intermediate)]
     layer_bytes = sum(o * i for o, i in shapes) * 4
     copies = max(1, _COLD_BYTES // layer_bytes)
-    best: tuple[float, torch.dtype] | None = None
     with torch.inference_mode():
-        for dtype in CANDIDATES:
-            weights = [
-                torch.randn(o, i, dtype=torch.float32).to(dtype)
-                for _ in range(copies)
-                for o, i in shapes
-            ]
-            total = _seconds(weights, 1) + _seconds(weights, verify_tokens)
-            if best is None or total < best[0]:
-                best = (total, dtype)
-    assert best is not None
-    return best[1]
+        weights = [torch.randn(o, i) for _ in range(copies) for o, i in shapes]
+        layers = {dtype: [_as_served(w.to(dtype)) for w in weights] for dtype in CANDIDATES}
+        inputs = {
+            (dtype, rows): {width: torch.randn(rows, width).to(dtype) for width in widths}
+            for dtype in CANDIDATES
+            for rows in (1, verify_tokens)
+            for widths in [{hidden, intermediate}]
+        }
+        times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in CANDIDATES}
+        for round_ in range(_ROUNDS + 1):  # the first round warms up
+            for dtype in CANDIDATES:
+                total = sum(
+                    _sweep_seconds(layers[dtype], inputs[(dtype, rows)])
+                    for rows in (1, verify_tokens)
+                )
+                if round_:
+                    times[dtype].append(total)
+    return min(CANDIDATES, key=lambda dtype: statistics.median(times[dtype]))
+
+
+def _as_served(weight: torch.Tensor) -> torch.nn.Linear:
+    # Built on the meta device, so that no initial weights are drawn only to be replaced.
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return PackedLinear(layer) if can_pack(layer) else layer

@@ -42,6 +42,7 @@ from engine.logprobs import LogprobRecorder
 from engine.methods import PLAIN, LoadContext, LoadedMethod
 from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
+from engine.packed_linear import pack_linear_weights
 from engine.proposers import Proposer
 from engine.scheduler import ActiveSequence, BatchLimits, BatchScheduler, annotate
 from engine.types import (
@@ -118,6 +119,7 @@ class Engine:
         self.vocab_size = embedding_rows(target)
         self.device = target.device
         self.target_dtype = target.dtype
+        pack_linear_weights(target)  # on CPU: oneDNN-prepacked weights (engine.packed_linear)
         self._target = ModelRunner(target)
         # False where the target cannot verify several tokens in one pass (engine.compat):
         # then no speculation method is offered (and none loads its artefacts).

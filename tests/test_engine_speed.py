@@ -1,16 +1,27 @@
-"""Speed settings of the engine: passive OpenMP threads, and ``--dtype auto`` measured."""
+"""Speed settings of the engine: passive OpenMP threads, ``--dtype auto`` measured, and the
+prepacked linear weights it serves with (``engine.packed_linear``), and float32 attention for
+half-precision steps (``engine.attention``)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin
 
 import engine.dtype_choice as dtype_choice
 import engine.loading as loading
+from engine.attention import FLOAT32_ATTENTION_ROWS, cpu_gqa_sdpa_forward
+from engine.config import EngineConfig
+from engine.packed_linear import PackedLinear
+from engine.service import Engine
+from engine.types import GenerationRequest, SamplingParams
+from tests.tiny_models import build_model, build_tokenizer
 
 
 def test_the_specgate_command_makes_openmp_threads_wait_passively() -> None:
@@ -31,20 +42,23 @@ def test_auto_dtype_is_the_one_measured_faster(
 ) -> None:
     measured: list[tuple[torch.dtype, int]] = []
 
-    def seconds(weights: list[torch.Tensor], rows: int) -> float:
-        measured.append((weights[0].dtype, rows))
-        return 2.0 if weights[0].dtype == slower else 1.0
+    def seconds(layers: list[torch.nn.Linear], inputs: dict[int, torch.Tensor]) -> float:
+        dtype = layers[0].weight.dtype
+        assert all(isinstance(layer, PackedLinear) for layer in layers)  # as served
+        measured.append((dtype, next(iter(inputs.values())).shape[0]))
+        return 2.0 if dtype == slower else 1.0
 
-    monkeypatch.setattr(dtype_choice, "_seconds", seconds)
+    monkeypatch.setattr(dtype_choice, "_sweep_seconds", seconds)
+    monkeypatch.setattr(dtype_choice, "_COLD_BYTES", 1)  # one copy: nothing is timed here
     dtype_choice.faster_cpu_dtype.cache_clear()
     try:
         chosen = dtype_choice.faster_cpu_dtype(64, 128, verify_tokens=5)
     finally:
         dtype_choice.faster_cpu_dtype.cache_clear()
     assert chosen != slower and chosen in dtype_choice.CANDIDATES
-    assert sorted(measured, key=str) == sorted(
-        [(d, rows) for d in dtype_choice.CANDIDATES for rows in (1, 5)], key=str
-    )
+    assert set(measured) == {(d, rows) for d in dtype_choice.CANDIDATES for rows in (1, 5)}
+    # Rounds alternate between the dtypes (a load change hits both alike).
+    assert [d for d, rows in measured[:4:2]] == list(dtype_choice.CANDIDATES)
 
 
 def test_pick_dtype_measures_large_models_on_cpus_with_native_bfloat16(
@@ -69,3 +83,102 @@ def test_pick_dtype_measures_large_models_on_cpus_with_native_bfloat16(
     monkeypatch.setattr(loading, "cpu_has_native_bfloat16", lambda: False)
     assert loading.pick_dtype("auto", cpu, big, config) == torch.float32  # type: ignore[arg-type]
     assert asked == [(576, 1536)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 3, 48)])
+def test_packed_linear_computes_the_layers_product_within_rounding(
+    dtype: torch.dtype, bias: bool, shape: tuple[int, ...]
+) -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
+    packed = PackedLinear(layer)
+    x = torch.randn(shape).to(dtype)
+    with torch.inference_mode():
+        got = packed(x)
+    exact = x.double() @ layer.weight.double().T
+    if layer.bias is not None:
+        exact += layer.bias.double()
+    assert got.shape == (*shape[:-1], 80) and got.dtype == dtype
+    # The sum rounds to the dtype once per output, plus float32 accumulation over 48 terms.
+    tolerance = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
+    scale = x.double().abs() @ layer.weight.double().abs().T + 1.0
+    assert ((got.double() - exact).abs() / scale).max() <= tolerance
+
+
+def test_packed_linear_keeps_the_parameters_and_trains_through_them() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    packed = PackedLinear(layer)
+    assert packed.weight is layer.weight and packed.bias is layer.bias
+    x = torch.randn(3, 16, requires_grad=True)
+    packed(x).square().sum().backward()
+    expected = x.detach().clone().requires_grad_(True)
+    weight, bias = layer.weight.detach(), layer.bias.detach()
+    torch.nn.functional.linear(expected, weight, bias).square().sum().backward()
+    assert x.grad is not None and expected.grad is not None
+    torch.testing.assert_close(x.grad, expected.grad)
+    assert layer.weight.grad is not None
+
+
+def test_the_engine_serves_its_target_with_packed_linears_and_a_tied_head_stays_tied(
+    tmp_path: Path,
+) -> None:
+    tokenizer = build_tokenizer()
+    directory = build_model(tmp_path / "target", tokenizer, seed=0)
+    config = AutoConfig.from_pretrained(directory)
+    config.tie_word_embeddings = True
+    tied = AutoModelForCausalLM.from_config(config)
+    tied.save_pretrained(directory)
+    model = loading.load_model(directory, torch.device("cpu"), "float32")
+    plain = loading.load_model(directory, torch.device("cpu"), "float32")
+    engine = Engine(EngineConfig(target=directory), model, tokenizer, "v")
+    try:
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(isinstance(m, PackedLinear) for m in linears)
+        head = model.get_output_embeddings()
+        assert head.weight is model.get_input_embeddings().weight
+        prompt = tokenizer.encode("def add(a, b):\n")
+        request = GenerationRequest(
+            tuple(prompt), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        )
+        expected = GenerationMixin.generate(
+            plain,
+            torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, len(prompt):].tolist()
+        assert list(engine.generate(request).token_ids) == expected
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("rows", [1, 5, FLOAT32_ATTENTION_ROWS + 1])
+def test_half_precision_steps_attend_in_float32_and_prefill_chunks_as_they_are(
+    grouped: bool, rows: int
+) -> None:
+    torch.manual_seed(0)
+    kv_heads = 2 if grouped else 4
+    module = torch.nn.Module()
+    module.num_key_value_groups = 4 // kv_heads  # type: ignore[assignment]
+    module.is_causal = True  # type: ignore[assignment]
+    module.eval()
+    query = torch.randn(1, 4, rows, 16).to(torch.bfloat16)
+    key, value = (torch.randn(1, kv_heads, 40, 16).to(torch.bfloat16) for _ in range(2))
+    mask = torch.ones(1, 1, rows, 40, dtype=torch.bool)
+    mask[..., 40 - rows :] = torch.ones(rows, rows, dtype=torch.bool).tril()
+    out, _ = cpu_gqa_sdpa_forward(module, query, key, value, mask, scaling=0.25)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, rows, 4, 16)
+
+    def attend(dtype: torch.dtype) -> torch.Tensor:
+        q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
+        if not grouped:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True
+        )
+
+    in_float32 = rows <= FLOAT32_ATTENTION_ROWS
+    expected = attend(torch.float32 if in_float32 else torch.bfloat16).to(torch.bfloat16)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=0, atol=0)

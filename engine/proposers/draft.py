@@ -44,6 +44,7 @@ from engine.methods import (
     register,
 )
 from engine.model_runner import ModelRunner
+from engine.packed_linear import pack_linear_weights
 from engine.proposers.base import Proposal, Proposer
 from engine.proposers.translating import TranslatingDraftProposer
 from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
@@ -234,6 +235,7 @@ def _load(context: LoadContext) -> LoadedMethod:
     window = context_window(draft.config)
     target_ids = context.vocab_size
     if translated:  # a translated draft keeps its full head, over its own ids
+        pack_linear_weights(draft)
         tokenizer = context.tokenizer
         return LoadedMethod(
             lambda: TranslatingDraftProposer(
@@ -245,6 +247,7 @@ def _load(context: LoadContext) -> LoadedMethod:
     vocabulary = load_head_vocabulary(directory, embedding_rows(draft))
     if vocabulary is not None:
         restrict_head(draft, vocabulary)
+    pack_linear_weights(draft)  # after the head is cut: it packs the head it serves
     proposable = min(len(context.tokenizer), input_rows(draft), target_ids)
     if supports_batching(target.config) and supports_batching(draft.config):
         # One draft cache with a slot per running sequence: a step drafts for all of them in

@@ -1,0 +1,74 @@
+"""Linear layers with their weights prepacked for oneDNN, for serving on CPU.
+
+A decode pass on CPU is a stream of matrix-vector products over every weight. ``F.linear``
+hands the BLAS an ordinary row-major weight at every call (oneDNN in bfloat16, which then
+reorders it into its blocked layout per call; MKL's ``sgemm`` in float32). Packing each weight
+once at load (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing pass does)
+lets every pass run oneDNN's blocked kernel straight from the packed copy, for one row
+(decode) and a few (verification) alike. On SmolLM2-135M in bfloat16 that made a decode step
+1.36x cheaper in CPU time; in float32 it made no difference inside the model (figures:
+``docs/engine.md``, "Speed on CPU").
+
+The products sum in another order than ``F.linear``'s (as any change of BLAS kernel does), so
+logits differ from an unpacked model's within the dtype's rounding; the engine's plain and
+speculative passes all run the packed model, so they agree with each other as before.
+
+The original ``weight`` parameter stays on the module (a tied output head shares it with the
+input embeddings; proposers read the target's head; autograd needs it), which costs a second
+copy of the weights in memory. A pass with autograd recording runs ``F.linear`` on it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def can_pack(linear: torch.nn.Linear) -> bool:
+    """Whether oneDNN takes this layer: a CPU weight in float32 or bfloat16."""
+    weight = linear.weight
+    return (
+        torch.backends.mkldnn.is_available()
+        and weight.device.type == "cpu"
+        and weight.dtype in _PACKABLE_DTYPES
+        and (linear.bias is None or linear.bias.dtype == weight.dtype)
+    )
+
+
+class PackedLinear(torch.nn.Linear):
+    """An ``nn.Linear`` (same ``weight`` and ``bias`` parameters) that runs inference passes
+    on a oneDNN-packed copy of its weight."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        torch.nn.Module.__init__(self)
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.register_buffer("packed_weight", packed, persistent=False)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (input.requires_grad or self.weight.requires_grad):
+            return F.linear(input, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(
+            input, self.packed_weight, bias, "none", [], ""
+        )
+
+
+def pack_linear_weights(model: torch.nn.Module) -> int:
+    """Replace every packable ``nn.Linear`` of ``model`` by a ``PackedLinear`` over the same
+    parameters, in place; returns how many were packed. Idempotent."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear and can_pack(child)
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child))
+    return len(targets)
