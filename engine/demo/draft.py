@@ -316,15 +316,25 @@ def build_draft(
     draft, vocabulary, report = train_draft(target, tokenizer, train, held_out, spec, progress)
     seconds["distillation"] = cast(float, report.pop("seconds"))
     manifest: dict[str, object] = {"spec": asdict(spec), **report}
+    manifest["seconds"] = {**seconds, "total": round(time.perf_counter() - started, 1)}
+    save_draft(draft, tokenizer, vocabulary, manifest, out)
+    return manifest
+
+
+def save_draft(
+    draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, vocabulary: torch.Tensor,
+    manifest: dict[str, object], out: Path,
+) -> None:
+    """Write the draft, its tokenizer, head vocabulary and manifest into ``out`` atomically
+    (``out.partial`` until finished)."""
     staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
     draft.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     (staging / VOCABULARY_FILE).write_text(json.dumps(vocabulary.tolist()) + "\n")
-    manifest["seconds"] = {**seconds, "total": round(time.perf_counter() - started, 1)}
     (staging / "specgate-draft.json").write_text(json.dumps(manifest, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     staging.replace(out)
-    return manifest
 
 
 def train_draft(
