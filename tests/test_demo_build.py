@@ -19,7 +19,15 @@ from bench.workload import BUILTIN_SETS
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.demo.build import build_demo_draft, ensure_target
 from engine.demo.corpus import load_corpus
-from engine.demo.draft import QUICK_DRAFT, DraftSpec, frequency_ranked_vocabulary
+from engine.demo.draft import (
+    QUICK_DRAFT,
+    DraftSpec,
+    frequency_ranked_vocabulary,
+    head_index,
+    init_draft,
+    soft_targets,
+    target_answers,
+)
 from engine.demo.package import (
     GGUF_SHA256,
     WHEEL_NAME,
@@ -29,7 +37,7 @@ from engine.demo.package import (
     fetch_source,
 )
 from engine.demo.paths import default_demo_dir
-from engine.demo.prompts import distillation_prompts
+from engine.demo.prompts import DistillationPrompt, distillation_prompts
 from engine.demo.target import MANIFEST
 from engine.proposers.vocabulary import VOCABULARY_FILE, load_head_vocabulary
 from engine.service import Engine
@@ -138,7 +146,7 @@ def tiny_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_draft_starts_from_the_target_and_keeps_a_head_vocabulary(tiny_demo: Path) -> None:
     draft = AutoModelForCausalLM.from_pretrained(tiny_demo / "draft", local_files_only=True)
     target = AutoModelForCausalLM.from_pretrained(tiny_demo / "target", local_files_only=True)
-    assert draft.config.num_hidden_layers == QUICK_DRAFT.layers
+    assert draft.config.num_hidden_layers == len(QUICK_DRAFT.layers)
     assert torch.equal(draft.model.embed_tokens.weight, target.model.embed_tokens.weight)
     vocabulary = load_head_vocabulary(tiny_demo / "draft", draft.config.vocab_size)
     assert vocabulary is not None and len(vocabulary) == QUICK_DRAFT.head_tokens
@@ -146,6 +154,74 @@ def test_the_draft_starts_from_the_target_and_keeps_a_head_vocabulary(tiny_demo:
     assert 0.0 <= manifest["greedy_agreement"] <= 1.0
     assert manifest["head_vocabulary"] == QUICK_DRAFT.head_tokens
     assert (tiny_demo / "draft" / "LICENSE").read_text() == "test licence"
+
+
+def test_the_draft_build_is_deterministic_for_a_seed(
+    tiny_demo: Path, tmp_path: Path
+) -> None:
+    build_demo_draft(tiny_demo / "target", tmp_path, QUICK_DRAFT, show_progress=False)
+    first = load_file(tiny_demo / "draft" / "model.safetensors")
+    again = load_file(tmp_path / "draft" / "model.safetensors")
+    assert first.keys() == again.keys()
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert (tiny_demo / "draft" / VOCABULARY_FILE).read_text() == (
+        tmp_path / "draft" / VOCABULARY_FILE
+    ).read_text()
+
+
+def test_the_teacher_targets_are_the_targets_own_next_token_distribution(
+    tiny_demo: Path,
+) -> None:
+    """What the draft is distilled on, at every answer position: the target's top-k
+    log-probabilities there (as a teacher-forced pass over prompt and answer computes them),
+    led by the greedy answer token."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_demo / "target", local_files_only=True)
+    target = AutoModelForCausalLM.from_pretrained(tiny_demo / "target", local_files_only=True)
+    chats = [
+        DistillationPrompt("chat", [{"role": "user", "content": text}])
+        for text in ("def add(a, b):", "class Point:", "x")
+    ]
+    spec = DraftSpec(answer_tokens=6, generation_batch=2, teacher_top_k=5)
+    samples = target_answers(target, tokenizer, chats, spec, lambda *args: None)
+    assert [s.kind for s in samples] == ["chat"] * 3
+    for sample in samples:
+        assert sample.top_ids.shape == sample.top_logprobs.shape == (len(sample.answer), 5)
+        assert sample.top_ids[:, 0].tolist() == sample.answer
+        with torch.no_grad():
+            logits = target(input_ids=torch.tensor([sample.prompt + sample.answer])).logits[0]
+        forced = logits[len(sample.prompt) - 1 : -1].log_softmax(-1)
+        assert torch.allclose(forced.gather(-1, sample.top_ids), sample.top_logprobs, atol=1e-4)
+        assert torch.equal(forced.topk(5).indices[:, 0], sample.top_ids[:, 0])
+
+
+def test_soft_targets_renormalise_the_target_over_the_head_vocabulary() -> None:
+    index_of = head_index(torch.tensor([1, 4, 7]), 8)
+    top_ids = torch.tensor([[4, 2, 7], [2, 3, 5], [7, 1, 4]])
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.7, 0.2, 0.1]])
+    index, target = soft_targets(top_ids, probs.log(), index_of)
+    # Token 2 is outside the head: its mass goes, the rest is renormalised.
+    assert index[0].tolist()[::2] == [1, 2]
+    assert torch.allclose(target[0], torch.tensor([0.5 / 0.7, 0.0, 0.2 / 0.7]))
+    # No top-k token inside the head: the position counts for nothing.
+    assert torch.equal(target[1], torch.zeros(3))
+    assert torch.allclose(target[2], torch.tensor([0.7, 0.2, 0.1]))
+    assert index[2].tolist() == [2, 0, 1]
+    # With k = 1 the target is the greedy token alone (cross-entropy on the answer).
+    _, one_hot = soft_targets(top_ids[:, :1], probs[:, :1].log(), index_of)
+    assert one_hot.tolist() == [[1.0], [0.0], [1.0]]
+
+
+def test_the_draft_can_start_from_any_of_the_targets_layers(tiny_demo: Path) -> None:
+    target = AutoModelForCausalLM.from_pretrained(tiny_demo / "target", local_files_only=True)
+    draft = init_draft(target, (0, 2))
+    assert draft.config.num_hidden_layers == 2
+    for new, old in enumerate((0, 2)):
+        for ours, theirs in zip(
+            draft.model.layers[new].parameters(), target.model.layers[old].parameters(),
+            strict=True,
+        ):
+            assert torch.equal(ours, theirs.float())
+    assert torch.equal(draft.lm_head.weight, target.lm_head.weight.float())
 
 
 def test_a_subset_head_draft_is_lossless_and_proposes_from_its_subset(tiny_demo: Path) -> None:
@@ -208,7 +284,8 @@ def test_bench_prompts_are_held_out_from_the_draft_distillation() -> None:
     code_sources = [r["source"].split(":")[0] for r in rows if ".py:" in r["source"]]
     assert len(code_sources) == 16 and set(code_sources) <= held_out
     distilled = {
-        chat[0]["content"] for chat in distillation_prompts(corpus.train, DraftSpec().prompts, 1234)
+        chat.messages[0]["content"]
+        for chat in distillation_prompts(corpus.train, DraftSpec().prompts, DraftSpec().seed)
     }
     assert not distilled & {r["messages"][0]["content"] for r in rows}
 

@@ -1,15 +1,20 @@
 """Distil the demo draft from the demo target, on the target's own answers.
 
-The draft is the target's first ``layers`` decoder layers with its embeddings and final norm,
-and an output head over the ``head_tokens`` tokens the target writes most often (ranked on
-its answers to the distillation prompts). The tied 49,152-token head is a fifth of the
-target's parameters, so a full-vocabulary draft would pay most of a target pass for its
-head alone; the subset head keeps the draft's pass cost small. Proposals then come from the
-subset only (the draft's q is 0 outside it), which rejection sampling handles exactly: the
-subset limits what the draft can propose, never what the target can output.
+The draft is a few of the target's decoder layers (``layers``, by index; the first two by
+default) with its embeddings and final norm, and an output head over the ``head_tokens``
+tokens the target writes most often (ranked on its answers to the distillation prompts). The
+tied 49,152-token head is a fifth of the target's parameters, so a full-vocabulary draft
+would pay most of a target pass for its head alone; the subset head keeps the draft's pass
+cost small. Proposals then come from the subset only (the draft's q is 0 outside it), which
+rejection sampling handles exactly: the subset limits what the draft can propose, never what
+the target can output.
 
-Training: the target answers each prompt greedily, and the draft learns to predict those
-answers (``distill``). A tenth of the answers is held out to measure greedy agreement.
+Training: the target answers each prompt greedily, and while it does, the build keeps its
+``teacher_top_k`` most likely next tokens and their log-probabilities at every answer
+position (``TopKRecorder``: free, the logits are computed anyway). The draft learns the
+target's distribution there, restricted to the head vocabulary (``soft_targets``,
+``distill``); with ``teacher_top_k`` 1 that is cross-entropy on the greedy answer alone. A
+tenth of the answers is held out to measure greedy agreement.
 """
 
 from __future__ import annotations
@@ -27,10 +32,16 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedTokenizerBase,
+)
 
 from engine.demo.corpus import load_corpus
-from engine.demo.prompts import Messages, distillation_prompts
+from engine.demo.prompts import DistillationPrompt, Messages, distillation_prompts
 from engine.proposers.vocabulary import VOCABULARY_FILE
 
 Progress = Callable[[str, int, int, float], None]
@@ -40,11 +51,12 @@ MAX_PROMPT_TOKENS = 256
 
 @dataclass(frozen=True)
 class DraftSpec:
-    layers: int = 2
+    layers: tuple[int, ...] = (0, 1)  # the target's layers the draft starts from, in order
     head_tokens: int = 8192
     prompts: int = 640
     answer_tokens: int = 160
     generation_batch: int = 64
+    teacher_top_k: int = 32
     steps: int = 200
     batch_size: int = 16
     lr: float = 2e-3
@@ -54,9 +66,37 @@ class DraftSpec:
 
 
 QUICK_DRAFT = DraftSpec(
-    layers=1, head_tokens=256, prompts=8, answer_tokens=8, generation_batch=4, steps=2,
-    batch_size=2,
+    layers=(0,), head_tokens=256, prompts=8, answer_tokens=8, generation_batch=4,
+    teacher_top_k=4, steps=2, batch_size=2,
 )
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A prompt, the target's greedy answer to it, and at every answer position the target's
+    ``teacher_top_k`` most likely tokens (``top_ids[i, 0]`` is ``answer[i]``) with their
+    log-probabilities over the full vocabulary."""
+
+    kind: str
+    prompt: list[int]
+    answer: list[int]
+    top_ids: torch.Tensor  # (len(answer), k) int64
+    top_logprobs: torch.Tensor  # (len(answer), k) float32
+
+
+class TopKRecorder(LogitsProcessor):
+    """Keeps the top-k log-probabilities of every step's logits and changes nothing."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.ids: list[torch.Tensor] = []
+        self.logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        top = scores.float().log_softmax(-1).topk(self.k, dim=-1)
+        self.ids.append(top.indices)
+        self.logprobs.append(top.values)
+        return scores
 
 
 def _prompt_ids(tokenizer: PreTrainedTokenizerBase, chat: Messages, limit: int) -> list[int]:
@@ -68,15 +108,16 @@ def _prompt_ids(tokenizer: PreTrainedTokenizerBase, chat: Messages, limit: int) 
 
 @torch.inference_mode()
 def target_answers(
-    target: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, chats: list[Messages],
-    spec: DraftSpec, progress: Progress,
-) -> list[tuple[list[int], list[int]]]:
-    """``(prompt ids, greedy answer ids)`` for every chat, generated in left-padded batches."""
+    target: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase,
+    chats: list[DistillationPrompt], spec: DraftSpec, progress: Progress,
+) -> list[Sample]:
+    """The target's greedy answer to every chat with its top-k distribution at each answer
+    position, generated in left-padded batches (shortest prompts first)."""
     eos = int(tokenizer.eos_token_id)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
-    prompts = [_prompt_ids(tokenizer, chat, MAX_PROMPT_TOKENS) for chat in chats]
+    prompts = [_prompt_ids(tokenizer, chat.messages, MAX_PROMPT_TOKENS) for chat in chats]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    pairs: dict[int, tuple[list[int], list[int]]] = {}
+    samples: dict[int, Sample] = {}
     for start in range(0, len(order), spec.generation_batch):
         batch = order[start : start + spec.generation_batch]
         width = max(len(prompts[i]) for i in batch)
@@ -85,17 +126,24 @@ def target_answers(
         for row, i in enumerate(batch):
             ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]) :] = 1
+        recorder = TopKRecorder(spec.teacher_top_k)
         out = target.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=spec.answer_tokens,
             do_sample=False, pad_token_id=pad, eos_token_id=eos,
+            logits_processor=LogitsProcessorList([recorder]),
         )[:, width:]
+        top_ids, top_logprobs = torch.stack(recorder.ids, 1), torch.stack(recorder.logprobs, 1)
         for row, i in enumerate(batch):
             answer = out[row].tolist()
             if eos in answer:
                 answer = answer[: answer.index(eos) + 1]
-            pairs[i] = (prompts[i], answer)
+            n = len(answer)
+            samples[i] = Sample(
+                chats[i].kind, prompts[i], answer, top_ids[row, :n].clone(),
+                top_logprobs[row, :n].clone(),
+            )
         progress("answers", start + len(batch), len(order), 0.0)
-    return [pairs[i] for i in range(len(prompts))]
+    return [samples[i] for i in range(len(prompts))]
 
 
 def frequency_ranked_vocabulary(
@@ -116,19 +164,22 @@ def frequency_ranked_vocabulary(
     return sorted(chosen)
 
 
-def init_draft(target: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
-    """The target's first ``layers`` layers, embeddings and norm, with an untied head copied
-    from the target's (tied) output embedding; float32 for training."""
+def init_draft(target: LlamaForCausalLM, layers: tuple[int, ...]) -> LlamaForCausalLM:
+    """The target's decoder layers ``layers`` (renumbered 0, 1, ...), embeddings and norm,
+    with an untied head copied from the target's (tied) output embedding; float32."""
     values = target.config.to_dict()
-    values.update(num_hidden_layers=layers, tie_word_embeddings=False)
+    values.update(num_hidden_layers=len(layers), tie_word_embeddings=False)
     for key in ("dtype", "_name_or_path"):
         values.pop(key, None)
     draft = LlamaForCausalLM(LlamaConfig(**values))
-    state = {
-        name: tensor
-        for name, tensor in target.state_dict().items()
-        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
-    }
+    source = target.state_dict()
+    state = {name: t for name, t in source.items() if not name.startswith("model.layers.")}
+    for new, old in enumerate(layers):
+        prefix = f"model.layers.{old}."
+        state.update(
+            {f"model.layers.{new}.{name[len(prefix):]}": t
+             for name, t in source.items() if name.startswith(prefix)}
+        )
     state["lm_head.weight"] = target.lm_head.weight
     draft.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     return draft
@@ -141,35 +192,60 @@ def _lr_at(spec: DraftSpec, step: int) -> float:
     return spec.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
+def soft_targets(
+    top_ids: torch.Tensor, top_logprobs: torch.Tensor, index_of: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution restricted to the head vocabulary: for each position the
+    head indices of its top-k tokens (0 where a token is outside the head) and their
+    probabilities renormalised over the tokens inside (all 0 where none is inside)."""
+    index = index_of[top_ids]
+    inside = index >= 0
+    probs = top_logprobs.exp() * inside
+    total = probs.sum(-1, keepdim=True)
+    probs = torch.where(total > 0, probs / total.clamp_min(1e-30), probs)
+    return index.clamp_min(0), probs
+
+
 def _batch(
-    pairs: list[tuple[list[int], list[int]]], pad: int, index_of: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids, attention mask, and labels: at each answer position the index in the
-    head vocabulary of the target's next token (-100 where there is none or it is outside)."""
-    width = max(len(p) + len(a) for p, a in pairs)
-    ids = torch.full((len(pairs), width), pad, dtype=torch.long)
+    samples: list[Sample], pad: int, index_of: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids and attention mask, the answer positions (where the next token is the
+    target's), and at those positions, in order, the soft targets (``soft_targets``)."""
+    width = max(len(s.prompt) + len(s.answer) for s in samples)
+    ids = torch.full((len(samples), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    labels = torch.full_like(ids, -100)
-    for row, (prompt, answer) in enumerate(pairs):
-        sequence = torch.tensor(prompt + answer)
+    positions = torch.zeros_like(ids, dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        sequence = torch.tensor(sample.prompt + sample.answer)
         ids[row, : len(sequence)] = sequence
         mask[row, : len(sequence)] = 1
-        labels[row, len(prompt) - 1 : len(sequence) - 1] = index_of[torch.tensor(answer)]
-    return ids, mask, labels
+        positions[row, len(sample.prompt) - 1 : len(sequence) - 1] = True
+    index, probs = soft_targets(
+        torch.cat([s.top_ids for s in samples]), torch.cat([s.top_logprobs for s in samples]),
+        index_of,
+    )
+    return ids, mask, positions, index, probs
+
+
+def head_index(vocabulary: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Maps a token id to its row in the head (-1 for tokens outside the head vocabulary)."""
+    index_of = torch.full((vocab_size,), -1, dtype=torch.long)
+    index_of[vocabulary] = torch.arange(len(vocabulary))
+    return index_of
 
 
 def distill(
-    draft: LlamaForCausalLM, pairs: list[tuple[list[int], list[int]]], vocabulary: torch.Tensor,
-    spec: DraftSpec, pad: int, progress: Progress,
+    draft: LlamaForCausalLM, samples: list[Sample], vocabulary: torch.Tensor, spec: DraftSpec,
+    pad: int, progress: Progress,
 ) -> list[float]:
-    """Sequence-level distillation: cross-entropy on the target's own greedy answers, which
-    are exactly the tokens greedy speculation must propose (no teacher pass is needed, so the
-    whole budget goes to the target's answers). The embeddings stay frozen (the draft shares
-    the target's); the layers, the norm and the head's vocabulary rows learn. Returns the loss
-    of every tenth step."""
+    """Distillation on the target's own answers: at every answer position, cross-entropy from
+    the target's top-k distribution (restricted to the head vocabulary) to the draft's (the
+    KL divergence up to the target's entropy). The answers are exactly the contexts greedy
+    speculation drafts in, and the distribution says how close the runners-up are. The
+    embeddings stay frozen (the draft shares the target's); the layers, the norm and the
+    head's vocabulary rows learn. Returns the loss of every tenth step."""
     rng = random.Random(spec.seed)
-    index_of = torch.full((draft.config.vocab_size,), -100, dtype=torch.long)
-    index_of[vocabulary] = torch.arange(len(vocabulary))
+    index_of = head_index(vocabulary, draft.config.vocab_size)
     head = torch.nn.Parameter(draft.lm_head.weight.detach()[vocabulary].clone())
     draft.model.embed_tokens.weight.requires_grad_(False)
     trained = [*draft.model.layers.parameters(), *draft.model.norm.parameters(), head]
@@ -177,12 +253,14 @@ def distill(
     losses: list[float] = []
     draft.train()
     for step in range(spec.steps):
-        batch = rng.sample(pairs, min(spec.batch_size, len(pairs)))
-        ids, mask, labels = _batch(batch, pad, index_of)
+        batch = rng.sample(samples, min(spec.batch_size, len(samples)))
+        ids, mask, positions, index, probs = _batch(batch, pad, index_of)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
-            logits = F.linear(hidden[labels >= 0], head)
-        loss = F.cross_entropy(logits.float(), labels[labels >= 0])
+            logits = F.linear(hidden[positions], head)
+        logprobs = logits.float().log_softmax(-1).gather(-1, index)
+        counted = probs.sum(-1) > 0
+        loss = -(probs * logprobs).sum(-1)[counted].mean()
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(spec, step)
         loss.backward()
@@ -200,25 +278,25 @@ def distill(
 
 @torch.inference_mode()
 def greedy_agreement(
-    draft: LlamaForCausalLM, target: LlamaForCausalLM, pairs: list[tuple[list[int], list[int]]],
-    vocabulary: torch.Tensor | None,
-) -> float:
+    draft: LlamaForCausalLM, samples: list[Sample], vocabulary: torch.Tensor | None
+) -> dict[str, float]:
     """Share of answer positions where the draft's most likely next token (over the subset
-    when given) is the target's: greedy speculation's per-token acceptance on the target's
-    own text."""
-    agree = total = 0
-    for prompt, answer in pairs:
-        ids = torch.tensor([prompt + answer])
-        start = len(prompt) - 1
-        wanted = target(input_ids=ids).logits[0, start:-1].argmax(-1)
-        logits = draft(input_ids=ids).logits[0, start:-1]
+    when given) is the target's greedy one, over all samples (``"all"``) and per kind:
+    greedy speculation's per-token acceptance on the target's own text."""
+    agree: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    for sample in samples:
+        ids = torch.tensor([sample.prompt + sample.answer])
+        logits = draft(input_ids=ids).logits[0, len(sample.prompt) - 1 : -1]
         if vocabulary is None:
             got = logits.argmax(-1)
         else:
             got = vocabulary[logits[:, vocabulary].argmax(-1)]
-        agree += int((got == wanted).sum())
-        total += len(answer)
-    return agree / max(1, total)
+        hits = int((got == torch.tensor(sample.answer)).sum())
+        for key in ("all", sample.kind):
+            agree[key] += hits
+            total[key] += len(sample.answer)
+    return {key: round(agree[key] / max(1, total[key]), 4) for key in sorted(total)}
 
 
 def build_draft(
@@ -231,45 +309,69 @@ def build_draft(
     torch.manual_seed(spec.seed)
     corpus = load_corpus()
     chats = distillation_prompts(corpus.train, spec.prompts, spec.seed)
-    pairs = target_answers(target, tokenizer, chats, spec, progress)
+    samples = target_answers(target, tokenizer, chats, spec, progress)
     seconds["answers"] = round(time.perf_counter() - started, 1)
-    held = max(1, int(len(pairs) * spec.held_out_share))
-    train_pairs, held_pairs = pairs[held:], pairs[:held]
-    always = {int(t) for t in tokenizer.all_special_ids}
-    vocabulary = torch.tensor(
-        frequency_ranked_vocabulary(
-            [a for _, a in train_pairs], spec.head_tokens, always, target.config.vocab_size
-        )
-    )
-    held_tokens = [t for _, a in held_pairs for t in a]
-    coverage = sum(t in set(vocabulary.tolist()) for t in held_tokens) / max(1, len(held_tokens))
-    draft = init_draft(target, spec.layers)
-    agreement_before = greedy_agreement(draft, target, held_pairs, vocabulary)
-    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-    phase = time.perf_counter()
-    losses = distill(draft, train_pairs, vocabulary, spec, pad, progress)
-    seconds["distillation"] = round(time.perf_counter() - phase, 1)
-    torch.nn.Module.to(draft, dtype=target.dtype)
-    manifest: dict[str, object] = {
-        "spec": asdict(spec),
-        "initialised_from": f"target layers[:{spec.layers}], embeddings, norm, output head",
-        "parameters": sum(p.numel() for p in draft.parameters()),
-        "train_sequences": len(train_pairs),
-        "train_answer_tokens": sum(len(a) for _, a in train_pairs),
-        "held_out_answers": len(held_pairs),
-        "head_vocabulary": len(vocabulary),
-        "held_out_answer_tokens_in_head_vocabulary": round(coverage, 4),
-        "greedy_agreement_before": round(agreement_before, 4),
-        "greedy_agreement": round(greedy_agreement(draft, target, held_pairs, vocabulary), 4),
-        "greedy_agreement_full_head": round(greedy_agreement(draft, target, held_pairs, None), 4),
-        "cross_entropy_every_10_steps": losses,
-    }
+    held = max(1, int(len(samples) * spec.held_out_share))
+    train, held_out = samples[held:], samples[:held]
+    draft, vocabulary, report = train_draft(target, tokenizer, train, held_out, spec, progress)
+    seconds["distillation"] = cast(float, report.pop("seconds"))
+    manifest: dict[str, object] = {"spec": asdict(spec), **report}
+    manifest["seconds"] = {**seconds, "total": round(time.perf_counter() - started, 1)}
+    save_draft(draft, tokenizer, vocabulary, manifest, out)
+    return manifest
+
+
+def save_draft(
+    draft: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, vocabulary: torch.Tensor,
+    manifest: dict[str, object], out: Path,
+) -> None:
+    """Write the draft, its tokenizer, head vocabulary and manifest into ``out`` atomically
+    (``out.partial`` until finished)."""
     staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
     draft.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     (staging / VOCABULARY_FILE).write_text(json.dumps(vocabulary.tolist()) + "\n")
-    manifest["seconds"] = {**seconds, "total": round(time.perf_counter() - started, 1)}
     (staging / "specgate-draft.json").write_text(json.dumps(manifest, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     staging.replace(out)
-    return manifest
+
+
+def train_draft(
+    target: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, train: list[Sample],
+    held_out: list[Sample], spec: DraftSpec, progress: Progress,
+) -> tuple[LlamaForCausalLM, torch.Tensor, dict[str, object]]:
+    """The draft (in the target's dtype), its head vocabulary, and the manifest's figures."""
+    always = {int(t) for t in tokenizer.all_special_ids}
+    vocabulary = torch.tensor(
+        frequency_ranked_vocabulary(
+            [s.answer for s in train], spec.head_tokens, always, target.config.vocab_size
+        )
+    )
+    kept = set(vocabulary.tolist())
+    held_tokens = [t for s in held_out for t in s.answer]
+    coverage = sum(t in kept for t in held_tokens) / max(1, len(held_tokens))
+    draft = init_draft(target, spec.layers)
+    agreement_before = greedy_agreement(draft, held_out, vocabulary)
+    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    phase = time.perf_counter()
+    losses = distill(draft, train, vocabulary, spec, pad, progress)
+    seconds = round(time.perf_counter() - phase, 1)
+    agreement = greedy_agreement(draft, held_out, vocabulary)
+    report: dict[str, object] = {
+        "initialised_from": f"target layers {list(spec.layers)}, embeddings, norm, output head",
+        "parameters": sum(p.numel() for p in draft.parameters()),
+        "train_sequences": len(train),
+        "train_answer_tokens": sum(len(s.answer) for s in train),
+        "held_out_answers": len(held_out),
+        "head_vocabulary": len(vocabulary),
+        "held_out_answer_tokens_in_head_vocabulary": round(coverage, 4),
+        "greedy_agreement_before": agreement_before["all"],
+        "greedy_agreement": agreement["all"],
+        "greedy_agreement_by_kind": agreement,
+        "greedy_agreement_full_head": greedy_agreement(draft, held_out, None)["all"],
+        "loss_every_10_steps": losses,
+        "seconds": seconds,
+    }
+    torch.nn.Module.to(draft, dtype=target.dtype)
+    return draft, vocabulary, report

@@ -14,6 +14,7 @@ import random
 import re
 import textwrap
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 from engine.demo.corpus import SourceFile
 
@@ -30,6 +31,7 @@ _QUESTIONS = (
 _COMPLETIONS = (
     "Complete this Python function.\n\n{head}",
     "Finish the code:\n\n```python\n{head}\n```",
+    "This function from `{path}` is unfinished. Complete it.\n\n```python\n{head}\n```",
 )
 _EDITS = (
     "Repeat this function verbatim:\n\n{code}",
@@ -70,7 +72,70 @@ _CHATS = (
     "Give me three interesting facts about {topic}.",
     "What is a common misconception about {topic}?",
     "Write a haiku about {topic}.",
+    "How does {topic} work? Keep it short.",
+    "Why does {topic} matter? Explain it simply.",
+    "Summarise what a beginner should know about {topic}.",
+    "What is the history of {topic}, in a few sentences?",
+    "Give me {count} tips for {activity}.",
+    "What are the most common mistakes people make when {activity}?",
+    "How should I get started with {activity}?",
+    "What should I bring when {activity}?",
+    "Write a short, {tone} email {purpose}.",
+    "Write a {tone} message to a colleague {purpose}.",
+    "Suggest a name for {business} in {city} and explain your choice.",
+    "Suggest {count} names for {business} and say why each works.",
+    "What is the difference between {pair}? Answer in a short paragraph.",
+    "Compare {pair} in a few sentences.",
+    "Plan a simple {meal} for {people} people.",
+    "Describe a typical day of a {job}.",
+    "What skills does a {job} need?",
 )
+# Fillers for the chat templates; the benchmark's own chat questions use none of them.
+_ACTIVITIES = (
+    "learning to cook", "studying for an exam", "starting a vegetable garden",
+    "training for a 10 km run", "keeping a journal", "moving to a new city",
+    "working from home", "learning to draw", "taking better photos", "saving for a holiday",
+    "reading more books", "giving feedback", "writing clear documentation", "debugging code",
+    "learning to swim", "preparing for a job interview", "organising a small event",
+    "travelling with children", "cycling to work", "looking after a dog",
+)
+_TONES = ("polite", "friendly", "formal", "brief", "warm", "professional")
+_PURPOSES = (
+    "asking for a deadline extension", "thanking a team for their help",
+    "inviting friends to a birthday dinner", "asking a landlord to fix the heating",
+    "apologising for a late reply", "requesting a day off", "introducing yourself to a new team",
+    "following up after an interview", "cancelling a dentist appointment",
+    "asking a neighbour to keep the noise down", "welcoming a new colleague",
+)
+_BUSINESSES = (
+    "a coffee shop", "a bicycle repair shop", "a bookshop", "a flower shop", "a yoga studio",
+    "a pizza restaurant", "a hair salon", "a software consultancy", "a pet shop",
+    "an ice cream parlour",
+)
+_PAIRS = (
+    "weather and climate", "a virus and a bacterium", "a list and a tuple in Python",
+    "RAM and storage", "TCP and UDP", "a loan and a mortgage", "speed and velocity",
+    "an alligator and a crocodile", "baking soda and baking powder", "a simile and a metaphor",
+    "HTTP and HTTPS", "a compiler and an interpreter", "stocks and bonds", "tea and coffee",
+    "a lake and a pond", "machine learning and statistics",
+)
+_MEALS = ("breakfast", "lunch", "dinner", "picnic", "vegetarian dinner", "birthday brunch")
+_JOBS = (
+    "nurse", "software developer", "teacher", "chef", "farmer", "pilot", "librarian",
+    "electrician", "journalist", "architect", "firefighter", "data analyst",
+)
+
+
+def _chat(rng: random.Random) -> str:
+    """One everyday chat request, a template filled from the lists above."""
+    return rng.choice(_CHATS).format(
+        topic=rng.choice(_TOPICS), activity=rng.choice(_ACTIVITIES), tone=rng.choice(_TONES),
+        purpose=rng.choice(_PURPOSES), business=rng.choice(_BUSINESSES),
+        city=rng.choice(_CITIES), pair=rng.choice(_PAIRS), meal=rng.choice(_MEALS),
+        people=rng.randint(2, 8), job=rng.choice(_JOBS), count=rng.choice(("three", "five")),
+    )
+
+
 _FIRST = ("Anna", "Luca", "Sophie", "Noah", "Mia", "Elias", "Lina", "David", "Sara", "Tim")
 _LAST = ("Müller", "Schmid", "Keller", "Weber", "Huber", "Meyer", "Frei", "Brunner")
 _CITIES = ("Basel", "Chur", "Lucerne", "St. Gallen", "Winterthur", "Thun", "Sion", "Zug")
@@ -114,28 +179,43 @@ def _module_name(relative_path: str) -> str:
     return re.sub(r"(/__init__)?\.py$", "", relative_path).replace("/", ".")
 
 
-def distillation_prompts(files: Iterable[SourceFile], count: int, seed: int) -> list[Messages]:
-    """``count`` single-turn chats, the four kinds in turn, from functions chosen with ``seed``."""
+class DistillationPrompt(NamedTuple):
+    kind: str  # "chat", "code", "question", "edit" or "json": what the held-out figures split by
+    messages: Messages
+
+
+# Everyday chat is the most varied kind, so it gets the largest share; code completion next.
+_KIND_CYCLE = ("chat", "code", "chat", "question", "edit", "chat", "code", "json")
+
+
+def distillation_prompts(
+    files: Iterable[SourceFile], count: int, seed: int
+) -> list[DistillationPrompt]:
+    """``count`` single-turn chats, the kinds in ``_KIND_CYCLE`` order, from functions (for
+    the kinds that quote code) chosen with ``seed``."""
     rng = random.Random(seed)
     candidates = [
-        (_module_name(source.relative_path), name, code)
+        (_module_name(source.relative_path), source.relative_path, name, code)
         for source in files
         for name, code in functions(source)
     ]
     rng.shuffle(candidates)
-    kinds = ("chat", _QUESTIONS, _COMPLETIONS, _EDITS, _EXTRACTIONS, "record")
-    chats: list[Messages] = []
-    for index, (module, name, code) in enumerate(candidates[:count]):
-        kind = kinds[index % len(kinds)]
+    chats: list[DistillationPrompt] = []
+    for index, (module, path, name, code) in enumerate(candidates[:count]):
+        kind = _KIND_CYCLE[index % len(_KIND_CYCLE)]
+        lines = code.splitlines()
+        head = "\n".join(lines[: max(2, len(lines) // 3)])
         if kind == "chat":
-            content = rng.choice(_CHATS).format(topic=rng.choice(_TOPICS))
-        elif kind == "record":
+            content = _chat(rng)
+        elif kind == "json" and index % 2:
             text, keys = _record(rng)
             content = f"Return the {keys} in this text as a JSON object.\n\n{text}"
         else:
-            lines = code.splitlines()
-            head = "\n".join(lines[: max(2, len(lines) // 3)])
-            template = rng.choice(kind)
-            content = template.format(module=module, name=name, code=code, head=head)
-        chats.append([{"role": "user", "content": content}])
+            templates = {
+                "code": _COMPLETIONS, "question": _QUESTIONS, "edit": _EDITS, "json": _EXTRACTIONS,
+            }[kind]
+            content = rng.choice(templates).format(
+                module=module, path=path, name=name, code=code, head=head
+            )
+        chats.append(DistillationPrompt(kind, [{"role": "user", "content": content}]))
     return chats
