@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 from engine import decoding
 from engine.config import EngineConfig, SpeculativeConfig, speculative_config_from_vllm
 from engine.heads import heads_method
+from engine.heads.data import features
 from engine.heads.eagle import EagleDraft, HeadsMismatchError, load_eagle
-from engine.heads.train import HeadsSpec, hidden_states, train_eagle
+from engine.heads.train import HeadsSpec, build_data, train_eagle
 from engine.loading import load_model, load_tokenizer
 from engine.proposers import eagle as eagle_proposer
 from engine.proposers.base import Proposal
@@ -57,10 +58,9 @@ def quiet(*_args: object) -> None:
 
 def _train(target: Path) -> tuple[EagleDraft, list[float]]:
     model = load_model(target, torch.device("cpu"), "float32")
-    return train_eagle(
-        model, load_tokenizer(target), SAMPLE_TEXT, SPEC, model_version(target), target.name,
-        quiet,
-    )
+    version = model_version(target)
+    data = build_data(model, load_tokenizer(target), SAMPLE_TEXT, SPEC, version, quiet)
+    return train_eagle(model, data, SPEC, version, target.name, quiet)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def test_incremental_draft_cache_equals_a_fresh_pass(trained: tuple[Path, Path])
         model_version(target),
     )
     tokens = load_tokenizer(target).encode("class Point:\n    def __init__(self, x, y):")
-    hidden = hidden_states(model, [tokens])[0]
+    hidden = features(model, [tokens])[0]
     proposer = EagleProposer(draft)
     proposer.start(tokens[:5])
     params = SamplingParams(max_tokens=8, temperature=0.0)
@@ -203,7 +203,7 @@ def test_proposed_tree_equals_eagle2_over_fresh_draft_passes(
         model_version(target),
     )
     tokens = load_tokenizer(target).encode("for i in range(10):\n    print(i")
-    hidden = hidden_states(model, [tokens])[0]
+    hidden = features(model, [tokens])[0]
     tree = EagleTree(steps, topk, budget)
     grown: list[DraftTree] = []
 

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from engine import decoding
 from engine.adaptive import PassCosts, SpeculationLength
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.heads.medusa import HeadsMismatchError, load_heads
-from engine.heads.train import HeadsSpec, train_medusa
+from engine.heads.medusa import HeadsMismatchError, MedusaHeads, load_heads
+from engine.heads.train import HeadsSpec, build_data, train_medusa
 from engine.loading import load_model, load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.proposers.base import Proposal
@@ -51,14 +52,20 @@ def quiet(*_args: object) -> None:
     return None
 
 
+def _train(
+    model: PreTrainedModel, target: Path, spec: HeadsSpec = SPEC
+) -> tuple[MedusaHeads, list[float]]:
+    version = model_version(target)
+    data = build_data(model, load_tokenizer(target), SAMPLE_TEXT, spec, version, quiet)
+    return train_medusa(model, data, spec, version, quiet)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("medusa")
     target = build_model(root / "target", build_tokenizer(), seed=0, hidden=64, layers=2)
     model = load_model(target, torch.device("cpu"), "float32")
-    heads, losses = train_medusa(
-        model, load_tokenizer(target), SAMPLE_TEXT, SPEC, model_version(target), quiet
-    )
+    heads, losses = _train(model, target)
     assert losses[-1] < losses[0], f"training did not lower the loss: {losses}"
     heads.save(root / "heads")
     return target, root / "heads"
@@ -81,9 +88,7 @@ def engine(trained: tuple[Path, Path]) -> Iterator[Engine]:
 def test_training_is_deterministic(trained: tuple[Path, Path], tmp_path: Path) -> None:
     target, heads = trained
     model = load_model(target, torch.device("cpu"), "float32")
-    again, _ = train_medusa(
-        model, load_tokenizer(target), SAMPLE_TEXT, SPEC, model_version(target), quiet
-    )
+    again, _ = _train(model, target)
     again.save(tmp_path / "again")
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == (
         heads / "model.safetensors"

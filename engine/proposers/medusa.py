@@ -94,8 +94,9 @@ class MedusaProposer:
         ranks = [1 + max(p[d] for p in paths if len(p) > d) for d in range(depth)]
         weight = next(self.heads.parameters())
         hidden = self._hidden.to(weight.dtype)
+        logits = self.heads.all_logits(hidden, depth)
         top = [
-            torch.topk(self.heads.logits(hidden, d).float(), ranks[d]).indices.tolist()
+            self.heads.to_target(torch.topk(logits[d], ranks[d]).indices).tolist()
             for d in range(depth)
         ]
         index = {path: i for i, path in enumerate(paths)}
