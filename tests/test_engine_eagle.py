@@ -11,6 +11,7 @@ naming both versions; training is deterministic for a seed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
 from engine import decoding
 from engine.config import EngineConfig, SpeculativeConfig, speculative_config_from_vllm
@@ -420,3 +422,90 @@ def test_eagle_method_with_medusa_heads_is_refused_naming_both(
     )
     with pytest.raises(HeadsMismatchError, match=r"needs eagle heads.*holds medusa heads"):
         Engine.load(config)
+
+
+# --- a draft vocabulary (EAGLE-3's d2t/t2d) ----------------------------------------------
+
+SUBSET_SPEC = dataclasses.replace(SPEC, draft_vocab_size=48)
+
+
+@pytest.fixture(scope="module")
+def subset_trained(
+    trained: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    target, _ = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    version = model_version(target)
+    data = build_data(model, load_tokenizer(target), SAMPLE_TEXT, SUBSET_SPEC, version, quiet)
+    draft, _ = train_eagle(model, data, SUBSET_SPEC, version, target.name, quiet)
+    out = tmp_path_factory.mktemp("eagle-subset") / "heads"
+    draft.save(out)
+    return target, out
+
+
+@pytest.fixture(scope="module")
+def subset_engine(subset_trained: tuple[Path, Path]) -> Iterator[Engine]:
+    eng = _engine(*subset_trained)
+    yield eng
+    eng.close()
+
+
+def test_a_draft_vocabulary_loads_from_d2t_and_t2d(subset_trained: tuple[Path, Path]) -> None:
+    target, heads = subset_trained
+    config = json.loads((heads / "config.json").read_text())
+    assert config["draft_vocab_size"] == 48
+    tensors = load_file(str(heads / "model.safetensors"))
+    ids = tensors["d2t"] + torch.arange(48)
+    assert tensors["t2d"].nonzero().flatten().tolist() == ids.tolist()
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    draft = load_eagle(
+        heads, model.get_input_embeddings(), head, 64, model.config.vocab_size,
+        model_version(target),
+    )
+    assert draft.head.vocabulary is not None and draft.head.vocabulary.tolist() == ids.tolist()
+    # The draft scores the subset only, and names target tokens for its indices.
+    assert draft.logits(torch.zeros(64)).shape == (48,)
+    assert draft.to_target(torch.tensor([0, 47])).tolist() == [ids[0], ids[47]]
+
+
+def test_subset_eagle_proposes_inside_it_and_stays_lossless(
+    subset_engine: Engine, subset_trained: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tensors = load_file(str(subset_trained[1] / "model.safetensors"))
+    subset = set((tensors["d2t"] + torch.arange(48)).tolist())
+    proposed: list[int] = []
+    propose = EagleProposer.propose
+
+    def recording(self: EagleProposer, *args: Any, **kwargs: Any) -> Proposal:
+        proposal = propose(self, *args, **kwargs)
+        proposed.extend(proposal.tokens)
+        return proposal
+
+    monkeypatch.setattr(EagleProposer, "propose", recording)
+    accepted = 0
+    for text in PROMPTS:
+        prompt = tuple(subset_engine.tokenizer.encode(text))
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        plain = subset_engine.generate(
+            GenerationRequest(prompt, params, SpeculativeChoice("none"))
+        )
+        eagle = subset_engine.generate(
+            GenerationRequest(prompt, params, SpeculativeChoice("eagle", 8))
+        )
+        assert eagle.token_ids == plain.token_ids
+        accepted += eagle.stats.num_accepted_tokens
+    assert proposed and set(proposed) <= subset
+    assert accepted > 0, "the subset draft never got a token accepted: the test proves too little"
+
+
+@pytest.mark.slow
+def test_sampled_eagle_with_a_draft_vocabulary_is_exact(subset_engine: Engine) -> None:
+    """Chi-square at SIGNIFICANCE (0.001) over SAMPLES draws of the first two tokens."""
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    prompt = subset_engine.tokenizer.encode("def add(a, b):\n")
+    counts = draw(subset_engine, prompt, params, "eagle")
+    assert chi_square_p_value(counts, exact_pair_distribution(subset_engine, prompt, params)) > (
+        SIGNIFICANCE
+    )

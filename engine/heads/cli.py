@@ -34,6 +34,7 @@ def train(
                      "none without)."),
     ] = None,
     answer_tokens: Annotated[int, typer.Option(help="Tokens per answer or continuation.")] = 128,
+    generation_batch: Annotated[int, typer.Option(help="Prompts answered side by side.")] = 64,
     draft_vocab_size: Annotated[
         int, typer.Option(help="Tokens the heads score (the target's most written); 0: all.")
     ] = 8192,
@@ -76,7 +77,8 @@ def train(
     spec = HeadsSpec(
         num_heads=num_heads, steps=steps, seed=seed,
         snippets=(256 if data is not None else 0) if snippets is None else snippets,
-        answer_tokens=answer_tokens, rows_per_step=rows_per_step, lr=lr,
+        answer_tokens=answer_tokens, generation_batch=generation_batch,
+        rows_per_step=rows_per_step, lr=lr,
         warmup_steps=min(50, steps // 10), draft_vocab_size=draft_vocab_size or None,
     )
     started = time.perf_counter()

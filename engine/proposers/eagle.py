@@ -25,8 +25,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.heads import check_heads_kind, heads_method
-from engine.heads.eagle import EagleCache, EagleDraft, load_eagle
-from engine.loading import embedding_rows
+from engine.heads.eagle import EagleCache, EagleDraft
+from engine.heads.loading import eagle_for
 from engine.logits_processors import LogitsProcessing
 from engine.methods import Artefact, ArtefactSpec, LoadContext, LoadedMethod, MethodSpec, register
 from engine.proposers.base import Proposal
@@ -249,17 +249,7 @@ def _load(context: LoadContext) -> LoadedMethod:
     directory = context.artefact_dir(EAGLE)
     assert directory is not None  # EngineConfig refuses the method without one
     check_heads_kind("eagle", directory)
-    target = context.target
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    assert isinstance(embed, torch.nn.Module) and isinstance(head, torch.nn.Module)
-    draft = load_eagle(
-        directory,
-        embed,
-        head,
-        int(target.config.hidden_size),
-        embedding_rows(target),
-        context.target_version,
-    ).to(device=target.device, dtype=target.dtype)
+    draft = eagle_for(directory, context.target, context.target_version)
     options = context.config.speculative.options_for("eagle")
     assert isinstance(options, EagleOptions)
     tree = options.tree()
