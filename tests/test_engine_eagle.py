@@ -509,3 +509,23 @@ def test_sampled_eagle_with_a_draft_vocabulary_is_exact(subset_engine: Engine) -
     assert chi_square_p_value(counts, exact_pair_distribution(subset_engine, prompt, params)) > (
         SIGNIFICANCE
     )
+
+
+def test_features_are_the_lm_head_input_at_every_position(trained: tuple[Path, Path]) -> None:
+    """``features`` skips the LM head's pass: it must still be exactly what that head reads."""
+    target, _ = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    tokens = [load_tokenizer(target).encode(text) for text in PROMPTS]
+    captured: list[torch.Tensor] = []
+    hook = head.register_forward_pre_hook(lambda _m, inputs: captured.append(inputs[0]))
+    try:
+        with torch.inference_mode():
+            for ids in tokens:
+                model(input_ids=torch.tensor([ids]))
+    finally:
+        hook.remove()
+    batched = features(model, tokens)
+    for row, (ids, alone) in enumerate(zip(tokens, captured, strict=True)):
+        torch.testing.assert_close(batched[row, : len(ids)], alone[0], rtol=1e-5, atol=1e-5)

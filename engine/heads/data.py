@@ -138,25 +138,24 @@ def greedy_answers(
 @torch.inference_mode()
 def features(target: PreTrainedModel, sequences: list[list[int]], batch: int = 8) -> torch.Tensor:
     """The input of the target's LM head at every position of right-padded ``sequences``,
-    ``[n, longest, hidden]`` float32 (padding rows are garbage; callers mask them)."""
-    head = target.get_output_embeddings()
-    assert head is not None
+    ``[n, longest, hidden]`` float32 (padding rows are garbage; callers mask them): the base
+    model's last hidden state (after its final norm), without the LM head's pass over every
+    position, which would cost more than the rest of the model."""
     longest = max(len(s) for s in sequences)
     captured: list[torch.Tensor] = []
-    hook = head.register_forward_pre_hook(lambda _m, inputs: captured.append(inputs[0].float()))
-    try:
-        for start in range(0, len(sequences), batch):
-            chunk = sequences[start : start + batch]
-            ids = torch.zeros((len(chunk), longest), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, seq in enumerate(chunk):
-                ids[row, : len(seq)] = torch.tensor(seq)
-                mask[row, : len(seq)] = 1
-            # Right padding under a causal mask leaves every real position as it is alone.
-            target(input_ids=ids.to(target.device), attention_mask=mask.to(target.device))
-    finally:
-        hook.remove()
-    return torch.cat(captured).cpu()
+    for start in range(0, len(sequences), batch):
+        chunk = sequences[start : start + batch]
+        ids = torch.zeros((len(chunk), longest), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, seq in enumerate(chunk):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+        # Right padding under a causal mask leaves every real position as it is alone.
+        out = target.base_model(
+            input_ids=ids.to(target.device), attention_mask=mask.to(target.device)
+        )
+        captured.append(out.last_hidden_state.float().cpu())
+    return torch.cat(captured)
 
 
 def _cache_key(
