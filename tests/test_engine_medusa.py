@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from engine import decoding
 from engine.adaptive import PassCosts, SpeculationLength
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.heads import data as heads_data
 from engine.heads.medusa import HeadsMismatchError, MedusaHeads, load_heads
 from engine.heads.train import HeadsSpec, build_data, train_medusa
 from engine.loading import load_model, load_tokenizer
@@ -322,3 +323,29 @@ def test_sampled_medusa_with_a_draft_vocabulary_is_exact(subset_engine: Engine) 
     assert chi_square_p_value(counts, exact_pair_distribution(subset_engine, prompt, params)) > (
         SIGNIFICANCE
     )
+
+
+def test_answers_and_features_are_read_back_from_the_cache(
+    trained: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second training on the same data (the other method, fewer prompts) reads the
+    target's answers and features back instead of running the target again."""
+    target, _ = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    tokenizer, version = load_tokenizer(target), model_version(target)
+    first = build_data(model, tokenizer, SAMPLE_TEXT, SPEC, version, quiet, cache_dir=tmp_path)
+
+    def not_again(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the target ran again despite the cache")
+
+    compute_features = heads_data.features
+    monkeypatch.setattr(heads_data, "greedy_answers", not_again)
+    monkeypatch.setattr(heads_data, "features", not_again)
+    again = build_data(model, tokenizer, SAMPLE_TEXT, SPEC, version, quiet, cache_dir=tmp_path)
+    assert torch.equal(first.ids, again.ids) and torch.equal(first.hidden, again.hidden)
+    # Fewer snippets are a prefix of the same seeded ones: their answers are cached (their
+    # features, of other sequences, are computed).
+    monkeypatch.setattr(heads_data, "features", compute_features)
+    fewer = dataclasses.replace(SPEC, snippets=SPEC.snippets // 2)
+    part = build_data(model, tokenizer, SAMPLE_TEXT, fewer, version, quiet, cache_dir=tmp_path)
+    assert torch.equal(part.ids, first.ids[: SPEC.snippets // 2])

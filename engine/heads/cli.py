@@ -22,12 +22,12 @@ def train(
         typer.Option(help="Text directory whose snippets the target continues; default: the "
                      "target answers the demo's distillation prompts."),
     ] = None,
-    steps: Annotated[int, typer.Option(help="Training steps.")] = 1000,
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 400,
     seed: Annotated[int, typer.Option(help="Seed of the data order and the heads.")] = 0,
     num_heads: Annotated[int, typer.Option(help="medusa_num_heads (Medusa only)")] = 4,
     prompts: Annotated[
         int, typer.Option(help="Demo distillation prompts the target answers (without --data).")
-    ] = 384,
+    ] = 320,
     snippets: Annotated[
         int | None,
         typer.Option(help="Text snippets the target continues (default: 256 with --data, "
@@ -41,6 +41,9 @@ def train(
     rows_per_step: Annotated[
         int, typer.Option(help="Positions per step (EAGLE: of the token loss).")
     ] = 256,
+    sequences_per_step: Annotated[
+        int, typer.Option(help="Whole sequences per step (EAGLE only).")
+    ] = 4,
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 3e-3,
     cache: Annotated[
         Path | None,
@@ -78,7 +81,7 @@ def train(
         num_heads=num_heads, steps=steps, seed=seed,
         snippets=(256 if data is not None else 0) if snippets is None else snippets,
         answer_tokens=answer_tokens, generation_batch=generation_batch,
-        rows_per_step=rows_per_step, lr=lr,
+        rows_per_step=rows_per_step, sequences_per_step=sequences_per_step, lr=lr,
         warmup_steps=min(50, steps // 10), draft_vocab_size=draft_vocab_size or None,
     )
     started = time.perf_counter()

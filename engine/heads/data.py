@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import cast
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 Progress = Callable[[str, int, int, float], None]
@@ -142,10 +143,14 @@ def features(target: PreTrainedModel, sequences: list[list[int]], batch: int = 8
     model's last hidden state (after its final norm), without the LM head's pass over every
     position, which would cost more than the rest of the model."""
     longest = max(len(s) for s in sequences)
-    captured: list[torch.Tensor] = []
-    for start in range(0, len(sequences), batch):
-        chunk = sequences[start : start + batch]
-        ids = torch.zeros((len(chunk), longest), dtype=torch.long)
+    # Batches of similar length, each padded to its own longest.
+    order = sorted(range(len(sequences)), key=lambda i: (len(sequences[i]), i))
+    out_rows = torch.zeros((len(sequences), longest, _hidden_size(target)))
+    for start in range(0, len(order), batch):
+        rows = order[start : start + batch]
+        chunk = [sequences[i] for i in rows]
+        width = max(len(s) for s in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, seq in enumerate(chunk):
             ids[row, : len(seq)] = torch.tensor(seq)
@@ -154,17 +159,50 @@ def features(target: PreTrainedModel, sequences: list[list[int]], batch: int = 8
         out = target.base_model(
             input_ids=ids.to(target.device), attention_mask=mask.to(target.device)
         )
-        captured.append(out.last_hidden_state.float().cpu())
-    return torch.cat(captured)
+        out_rows[rows, :width] = out.last_hidden_state.float().cpu()
+    return out_rows
 
 
-def _cache_key(
-    target_version: str, asked: list[list[int]], cut: list[list[int]], spec: DataSpec,
-    eos: int | None,
-) -> str:
-    digest = hashlib.sha256()
-    digest.update(json.dumps([target_version, spec.answer_tokens, eos, asked, cut]).encode())
-    return digest.hexdigest()[:24]
+def _hidden_size(target: PreTrainedModel) -> int:
+    return int(target.config.hidden_size)
+
+
+def _key(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+
+
+class _AnswerCache:
+    """The target's answers by prompt, in one JSON file per target version and answer length
+    (a run with fewer or more prompts reuses what an earlier one wrote)."""
+
+    def __init__(
+        self, directory: Path | None, target_version: str, spec: DataSpec, eos: int | None
+    ):
+        self.path = (
+            None
+            if directory is None
+            else directory / f"answers-{_key(target_version, spec.answer_tokens, eos)}.json"
+        )
+        self.known: dict[str, list[int]] = (
+            json.loads(self.path.read_text()) if self.path and self.path.is_file() else {}
+        )
+
+    @staticmethod
+    def key(prompt: list[int], until_end: bool) -> str:
+        return _key(prompt, until_end)
+
+    def missing(self, prompts: list[list[int]], until_end: bool) -> list[list[int]]:
+        return [p for p in prompts if self.key(p, until_end) not in self.known]
+
+    def add(self, prompts: list[list[int]], answers: list[list[int]], until_end: bool) -> None:
+        for prompt, answer in zip(prompts, answers, strict=True):
+            self.known[self.key(prompt, until_end)] = answer
+        if self.path is not None and prompts:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.known))
+
+    def answers(self, prompts: list[list[int]], until_end: bool) -> list[list[int]]:
+        return [self.known[self.key(p, until_end)] for p in prompts]
 
 
 def distillation_data(
@@ -187,19 +225,14 @@ def distillation_data(
     prompts = asked + cut
     if not prompts:
         raise ValueError("no chat prompts and no text to distil on")
-    key = _cache_key(target_version, asked, cut, spec, eos)
-    cache = None if cache_dir is None else cache_dir / f"answers-{key}.json"
-    if cache is not None and cache.is_file():
-        answers = json.loads(cache.read_text())
-        progress("answers", len(prompts), len(prompts), 0.0)
-    else:
-        torch.manual_seed(spec.seed)
-        answers = greedy_answers(target, asked, spec, eos, pad, progress) + greedy_answers(
-            target, cut, spec, eos, pad, progress, until_end=False
-        )
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(answers))
+    cache = _AnswerCache(cache_dir, target_version, spec, eos)
+    torch.manual_seed(spec.seed)
+    for group, until_end in ((asked, True), (cut, False)):
+        todo = cache.missing(group, until_end)
+        if todo:
+            written = greedy_answers(target, todo, spec, eos, pad, progress, until_end=until_end)
+            cache.add(todo, written, until_end)
+    answers = cache.answers(asked, True) + cache.answers(cut, False)
     kept = [
         _Written(prompt + answer, len(prompt))
         for prompt, answer in zip(prompts, answers, strict=True)
@@ -214,5 +247,22 @@ def distillation_data(
         ids=padded,
         lengths=torch.tensor([len(s) for s in ids]),
         own_from=torch.tensor([s.own_from for s in kept]),
-        hidden=features(target, ids),
+        hidden=_cached_features(target, ids, cache_dir, target_version, progress),
     )
+
+
+def _cached_features(
+    target: PreTrainedModel, sequences: list[list[int]], cache_dir: Path | None,
+    target_version: str, progress: Progress,
+) -> torch.Tensor:
+    """``features``, read back from ``cache_dir`` when computed before for these sequences
+    (the second method trained on the same data skips the pass)."""
+    name = f"features-{_key(target_version, sequences)}.safetensors"
+    path = None if cache_dir is None else cache_dir / name
+    if path is not None and path.is_file():
+        return load_file(str(path))["hidden"]
+    hidden = features(target, sequences)
+    progress("features", len(sequences), len(sequences), 0.0)
+    if path is not None:
+        save_file({"hidden": hidden.contiguous()}, str(path))
+    return hidden
