@@ -18,7 +18,9 @@ def bench(
         Path | None, typer.Option(help="Draft model directory (default: the demo pair's).")
     ] = None,
     heads: Annotated[
-        Path | None, typer.Option(help="Medusa or EAGLE heads directory (specgate heads train).")
+        list[Path] | None,
+        typer.Option(help="Medusa and/or EAGLE heads directories (specgate heads train); "
+                     "repeat the option for both (default: the demo's medusa and eagle)."),
     ] = None,
     prompts: Annotated[
         Path | None,
@@ -37,10 +39,11 @@ def bench(
         typer.Option(help="torch CPU threads for every method (default: torch's choice)."),
     ] = None,
 ) -> None:
-    """Benchmark plain, n-gram and draft-model decoding, and Hugging Face's equivalents."""
+    """Benchmark plain, n-gram, draft-model, Medusa and EAGLE decoding, and Hugging Face's
+    equivalents."""
     from bench.constrained import measure
     from bench.report import summarise, write_outputs
-    from bench.runner import BenchSetup, load_engine, run_bench
+    from bench.runner import BenchSetup, load_engines, run_bench
     from bench.workload import builtin_prompts, load_prompts
     from engine.demo.paths import default_demo_dir
 
@@ -49,29 +52,43 @@ def bench(
 
         torch.set_num_threads(threads)
     if target is None:
-        target = default_demo_dir() / "target"
-        draft = draft or default_demo_dir() / "draft"
+        demo = default_demo_dir()
+        target = demo / "target"
+        draft = draft or _built(demo / "draft")
+        if heads is None:
+            heads = [d for d in (demo / "medusa", demo / "eagle") if _built(d)]
     if not target.is_dir():
         raise typer.BadParameter(
             f"{target} is not a model directory; build the demo pair with "
             "`specgate models build-demo` or pass --target", param_hint="--target"
         )
-    setup = BenchSetup(target=target, draft=draft, repeats=repeats, fixed_k=k, heads=heads)
-    engine = load_engine(setup)
+    setup = BenchSetup(
+        target=target, draft=draft, repeats=repeats, fixed_k=k, heads=tuple(heads or ())
+    )
+    engines = load_engines(setup)
+    engine = engines[0]
     try:
         if prompts is None:
             workload = builtin_prompts(engine.tokenizer, max_tokens, limit)
         else:
             workload = load_prompts(prompts, prompts.stem, engine.tokenizer, max_tokens, limit)
-        result = run_bench(setup, workload, engine)
+        result = run_bench(setup, workload, engines)
         json_prompts = [p for p in workload if p.workload == "json"] or workload
         constrained = measure(engine, json_prompts[:limit], repeats, k)
     finally:
-        engine.close()
-    rows = summarise(result.runs, result.variants, result.costs, result.divergences)
+        for each in engines:
+            each.close()
+    rows = summarise(
+        result.runs, result.variants, result.costs, result.divergences, result.extra_memory
+    )
     paths = write_outputs(out, rows, result.header, result.costs, result.runs)
     lines = [line.text() for line in constrained]
     with paths["markdown"].open("a") as markdown:
         markdown.write("\n" + "\n".join(f"- {line}" for line in lines) + "\n")
     typer.echo(paths["markdown"].read_text())
     typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")
+
+
+def _built(directory: Path) -> Path | None:
+    """``directory`` if a build left its config there (a demo part built), else None."""
+    return directory if (directory / "config.json").is_file() else None

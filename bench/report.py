@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.costs import PassCosts
 from bench.variants import Run, Variant
 from engine.divergence import Divergence
-from engine.types import GenerationStats
+from engine.types import GenerationStats, Method
 
 ALL_WORKLOADS = "all"
 # Below this measured speedup a method is not worth switching on.
@@ -40,6 +41,9 @@ class Row:
     same_tokens_as_plain: bool
     # The first divergence of every run whose tokens differ from plain decoding's.
     divergences: tuple[Divergence, ...] = ()
+    # What the method holds beside the target, as a share of the target's weights (None:
+    # plain decoding, Hugging Face's rows).
+    extra_memory: float | None = None
 
     @property
     def first_divergence(self) -> int | None:
@@ -84,6 +88,7 @@ class Row:
             "acceptance_rate": _round(self.acceptance_rate),
             "mean_acceptance_length": _round(self.mean_acceptance_length),
             "mean_k": _round(self.mean_k),
+            "extra_memory_share_of_target": _round4(self.extra_memory),
             "theoretical_speedup": _round(self.theoretical),
             "of_theoretical": _round(self.of_theoretical),
             "same_tokens_as_plain": self.same_tokens_as_plain,
@@ -98,6 +103,10 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
+def _round4(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
 # (workload, prompt name, variant) -> runs over repeats
 RunTable = dict[tuple[str, str, Variant], list[Run]]
 # (workload, prompt name, variant) -> first divergences from plain decoding
@@ -107,8 +116,11 @@ DivergenceTable = dict[tuple[str, str, Variant], list[Divergence]]
 def summarise(
     runs: RunTable, variants: list[Variant], costs: PassCosts,
     divergences: DivergenceTable | None = None,
+    extra_memory: Mapping[Method, float] | None = None,
 ) -> list[Row]:
-    """One row per workload and variant, plus all workloads combined when there are several."""
+    """One row per workload and variant, plus all workloads combined when there are several.
+    ``extra_memory``: each method's memory beside the target as a share of the target's
+    (``bench.runner.extra_memory``)."""
     baseline = Variant("specgate", "none", None)
     workloads = sorted({workload for workload, _, _ in runs})
     if len(workloads) > 1:
@@ -126,7 +138,12 @@ def summarise(
             found = tuple(
                 d for w, p in keys for d in (divergences or {}).get((w, p, variant), [])
             )
-            rows.append(dataclasses.replace(row, divergences=found))
+            memory = (
+                (extra_memory or {}).get(variant.method)
+                if variant.backend == "specgate" and variant.method != "none"
+                else None
+            )
+            rows.append(dataclasses.replace(row, divergences=found, extra_memory=memory))
     return rows
 
 
@@ -233,15 +250,16 @@ def markdown(rows: list[Row], header: dict[str, object]) -> str:
     lines += [
         "",
         "| workload | method | tokens/s | speedup | acceptance rate | mean acceptance length "
-        "| theoretical speedup | of theoretical | same tokens as plain | first divergence "
-        "| logit gap | within rounding |",
-        "|---|---|---:|---:|---:|---:|---:|---:|:-:|---:|---:|:-:|",
+        "| extra memory | theoretical speedup | of theoretical | same tokens as plain "
+        "| first divergence | logit gap | within rounding |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|:-:|---:|---:|:-:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.workload} | {r.variant.label} | {r.tokens_per_second:.1f} | "
             f"{r.speedup:.2f}x | {_fmt(r.acceptance_rate, '{:.2f}')} | "
-            f"{_fmt(r.mean_acceptance_length, '{:.2f}')} | {_fmt(r.theoretical, '{:.2f}x')} | "
+            f"{_fmt(r.mean_acceptance_length, '{:.2f}')} | {_fmt(r.extra_memory, '{:.1%}')} | "
+            f"{_fmt(r.theoretical, '{:.2f}x')} | "
             f"{_fmt(r.of_theoretical, '{:.0%}')} | {'yes' if r.same_tokens_as_plain else 'no'} | "
             f"{_fmt(r.first_divergence, '{}')} | "
             f"{_fmt(r.largest_gap.plain_gap if r.largest_gap else None, '{:.4g}')} | "

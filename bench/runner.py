@@ -19,10 +19,13 @@ from bench.variants import Generator, Variant, hf_variants, specgate_variants
 from bench.workload import BenchPrompt
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.divergence import ROUNDING_ULPS
+from engine.heads.loading import load_heads_for
+from engine.heads.vocabulary import extra_bytes
 from engine.loading import load_model, pick_device
 from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
 from engine.service import Engine
 from engine.types import Method
+from engine.versioning import model_version
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,8 @@ class BenchSetup:
     draft: Path | None
     repeats: int
     fixed_k: int
-    heads: Path | None = None
+    # Medusa and/or EAGLE heads directories; each beyond the first gets an engine of its own.
+    heads: tuple[Path, ...] = ()
 
 
 @dataclass
@@ -41,27 +45,30 @@ class BenchRun:
     costs: PassCosts
     header: dict[str, object]
     divergences: DivergenceTable
+    extra_memory: dict[Method, float]
 
 
-def _engine_config(setup: BenchSetup) -> EngineConfig:
+def _engine_config(
+    setup: BenchSetup, draft: Path | None, heads: Path | None
+) -> EngineConfig:
     # Fallback off: the benchmark measures each method itself, not the fallback policy.
     speculative = SpeculativeConfig(acceptance_threshold=0.0, min_speedup=0.0)
-    return EngineConfig(
-        target=setup.target, draft=setup.draft, heads=setup.heads, speculative=speculative
-    )
+    return EngineConfig(target=setup.target, draft=draft, heads=heads, speculative=speculative)
 
 
-def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engine: Engine) -> BenchRun:
+def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engines: list[Engine]) -> BenchRun:
     """Each repeat visits every prompt; per prompt the variants run in a rotating order so that
     slow phases of a noisy machine fall on every variant alike. Pass costs are measured before
-    each repeat and their medians kept."""
+    each repeat and their medians kept. ``engines``: ``load_engines``'."""
     device = pick_device(None)
     target = load_model(setup.target, device, "auto")
     draft = load_model(setup.draft, device, "auto") if setup.draft else None
     engine_draft = _as_the_engine_runs_it(setup.draft, draft)
-    methods: tuple[Method, ...] = engine.available_methods
+    serving = serving_engines(engines)
+    methods: tuple[Method, ...] = tuple(serving)
     variants = specgate_variants(methods, setup.fixed_k) + hf_variants(methods)
-    generator = Generator(engine, target, draft)
+    generator = Generator(serving, target, draft)
+    engine = engines[0]
     context = list(prompts[0].prompt_ids)
     cost_samples = []
 
@@ -80,6 +87,7 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engine: Engine) -> 
                     runs[(prompt.workload, prompt.name, variant)].append(run)
                     progress.advance(task)
     costs = median_costs(cost_samples)
+    memory = extra_memory(setup, target, engine_draft, methods)
     divergences = find_divergences(
         target, runs, prompts, Variant("specgate", "none", None), setup.fixed_k + 1
     )
@@ -105,8 +113,54 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engine: Engine) -> 
             f"for {costs.verify_tokens}; draft "
             f"{_fmt_ms(costs.draft_one_ms)} (c = {_fmt_ratio(costs.draft_cost_ratio)})"
         ),
+        "heads": ", ".join(
+            f"{d} ({_version_of(e.artefacts, k)[:19]}…)"
+            for e in engines
+            for d, k in _heads_of(e)
+        )
+        or "none",
+        "extra memory": "what a method holds beside the target (draft model, heads, a "
+        "draft vocabulary's copied head rows; not the KV cache) over the target's weights",
     }
-    return BenchRun(variants, dict(runs), costs, header, divergences)
+    return BenchRun(variants, dict(runs), costs, header, divergences, memory)
+
+
+def serving_engines(engines: list[Engine]) -> dict[Method, Engine]:
+    """The engine serving each method: the first that offers it."""
+    serving: dict[Method, Engine] = {}
+    for engine in engines:
+        for method in engine.available_methods:
+            serving.setdefault(method, engine)
+    return serving
+
+
+def _heads_of(engine: Engine) -> list[tuple[Path, str]]:
+    heads = engine.config.heads
+    kinds = [a["kind"] or "" for a in engine.artefacts if (a["kind"] or "").endswith("_heads")]
+    return [(heads, kind) for kind in kinds] if heads is not None else []
+
+
+def extra_memory(
+    setup: BenchSetup,
+    target: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    methods: tuple[Method, ...],
+) -> dict[Method, float]:
+    """Each method's extra memory as a share of the target's weights: the draft as the engine
+    runs it, the heads with their draft vocabulary (``extra_bytes``), nothing for n-gram."""
+    target_bytes = extra_bytes(target)
+    version = model_version(setup.target)
+    shares: dict[Method, float] = {}
+    for method in methods:
+        if method == "ngram":
+            shares[method] = 0.0
+        elif method == "draft" and draft is not None:
+            shares[method] = extra_bytes(draft) / target_bytes
+    for directory in setup.heads:
+        method, module = load_heads_for(directory, target, version)
+        if method in methods:
+            shares[method] = extra_bytes(module) / target_bytes
+    return shares
 
 
 def _as_the_engine_runs_it(
@@ -133,7 +187,22 @@ def _fmt_ratio(value: float | None) -> str:
 
 
 def load_engine(setup: BenchSetup) -> Engine:
-    return Engine.load(_engine_config(setup))
+    """The engine with the draft and the first heads directory."""
+    return Engine.load(_engine_config(setup, setup.draft, setup.heads[0] if setup.heads else None))
+
+
+def load_engines(setup: BenchSetup) -> list[Engine]:
+    """``load_engine``'s, and one more for each further heads directory (an engine serves
+    one)."""
+    engines = [load_engine(setup)]
+    try:
+        for heads in setup.heads[1:]:
+            engines.append(Engine.load(_engine_config(setup, None, heads)))
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
+    return engines
 
 
 def _version_of(artefacts: tuple[dict[str, str | None], ...], kind: str) -> str:

@@ -8,6 +8,7 @@ columns differ only in the decoding loop.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -70,10 +71,17 @@ def hf_variants(methods: tuple[Method, ...]) -> list[Variant]:
 
 
 class Generator:
-    """Runs one variant on one prompt, greedily, and times it from request to last token."""
+    """Runs one variant on one prompt, greedily, and times it from request to last token.
+    ``engines``: the engine serving each Specgate method (one engine holds one heads
+    directory, so Medusa and EAGLE come from engines of their own)."""
 
-    def __init__(self, engine: Engine, target: PreTrainedModel, draft: PreTrainedModel | None):
-        self.engine = engine
+    def __init__(
+        self,
+        engines: Mapping[Method, Engine],
+        target: PreTrainedModel,
+        draft: PreTrainedModel | None,
+    ):
+        self.engines = engines
         self.target = target
         self.draft = draft
         self.end_ids = _end_ids(target)
@@ -90,7 +98,7 @@ class Generator:
             speculative=SpeculativeChoice(method=variant.method, num_speculative_tokens=variant.k),
         )
         start = time.perf_counter()
-        result = self.engine.generate(request)
+        result = self.engines[variant.method].generate(request)
         return Run(result.token_ids, time.perf_counter() - start, result.stats)
 
     @torch.inference_mode()

@@ -24,8 +24,12 @@ from bench.report import (
 )
 from bench.variants import Run, Variant
 from engine.divergence import Divergence, rounding_bound
+from engine.heads.loading import load_heads_for
+from engine.heads.train import HeadsSpec, build_data, train_eagle, train_medusa
+from engine.loading import load_model, load_tokenizer
 from engine.types import GenerationStats, Method
-from tests.tiny_models import build_pair
+from engine.versioning import model_version
+from tests.tiny_models import SAMPLE_TEXT, build_pair
 
 NONE = Variant("specgate", "none", None)
 NGRAM = Variant("specgate", "ngram", 4)
@@ -98,8 +102,31 @@ def test_recommendation_names_the_fastest_lossless_method() -> None:
     assert "keep plain decoding" in recommend(summarise(slow, [NONE, NGRAM, DRAFT], COSTS), "code")
 
 
+# Heads trained a few steps on the tiny target: enough to load and propose.
+HEADS_SPEC = HeadsSpec(
+    num_heads=2, snippets=8, prompt_tokens=8, answer_tokens=12, generation_batch=8, steps=4,
+    rows_per_step=32, draft_vocab_size=64,
+)
+
+
+def _quiet(*_args: object) -> None:
+    return None
+
+
+def _heads(target: Path, out: Path) -> tuple[Path, Path]:
+    model = load_model(target, torch.device("cpu"), "float32")
+    version = model_version(target)
+    data = build_data(model, load_tokenizer(target), SAMPLE_TEXT, HEADS_SPEC, version, _quiet)
+    medusa, _ = train_medusa(model, data, HEADS_SPEC, version, _quiet)
+    eagle, _ = train_eagle(model, data, HEADS_SPEC, version, target.name, _quiet)
+    medusa.save(out / "medusa")
+    eagle.save(out / "eagle")
+    return out / "medusa", out / "eagle"
+
+
 def test_bench_command_runs_every_method_on_tiny_models(tmp_path: Path) -> None:
     target, draft = build_pair(tmp_path / "models")
+    medusa, eagle = _heads(target, tmp_path / "heads")
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text(
         json.dumps({"prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"}) + "\n"
@@ -111,14 +138,30 @@ def test_bench_command_runs_every_method_on_tiny_models(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, [
         "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
         "--out", str(out), "--max-tokens", "12", "--repeats", "1", "--k", "3",
+        "--heads", str(medusa), "--heads", str(eagle),
     ])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
     labels = [row["variant"] for row in report["rows"]]
     assert labels == [
         "none", "ngram k=auto", "ngram k=3", "draft k=auto", "draft k=3",
+        "medusa k=auto", "medusa k=3", "eagle k=auto", "eagle k=3",
         "HF plain", "HF prompt lookup", "HF assisted",
     ]
+    memory = {row["variant"]: row["extra_memory_share_of_target"] for row in report["rows"]}
+    assert memory["none"] is None and memory["HF assisted"] is None
+    assert memory["ngram k=3"] == 0.0
+    model = load_model(target, torch.device("cpu"), "auto")
+    target_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    draft_model = load_model(draft, torch.device("cpu"), "auto")
+    draft_bytes = sum(p.numel() * p.element_size() for p in draft_model.parameters())
+    assert memory["draft k=3"] == pytest.approx(draft_bytes / target_bytes, abs=1e-4)
+    for method, directory in (("medusa", medusa), ("eagle", eagle)):
+        _, heads = load_heads_for(directory, model, model_version(target))
+        own = sum(p.numel() * p.element_size() for p in heads.parameters())
+        rows = 64 * model.config.hidden_size * model.dtype.itemsize + 64 * 8  # subset + ids
+        assert memory[f"{method} k=auto"] == pytest.approx((own + rows) / target_bytes, abs=1e-4)
+    assert "| extra memory |" in (out / "bench.md").read_text()
     assert {row["workload"] for row in report["rows"]} == {"mine"}
     assert all(row["same_tokens_as_plain"] for row in report["rows"])
     assert all(row["tokens"] == 24 for row in report["rows"])

@@ -11,6 +11,7 @@ naming both versions; training is deterministic for a seed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -21,12 +22,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
 from engine import decoding
 from engine.config import EngineConfig, SpeculativeConfig, speculative_config_from_vllm
 from engine.heads import heads_method
+from engine.heads.data import features
 from engine.heads.eagle import EagleDraft, HeadsMismatchError, load_eagle
-from engine.heads.train import HeadsSpec, hidden_states, train_eagle
+from engine.heads.train import HeadsSpec, build_data, train_eagle
 from engine.loading import load_model, load_tokenizer
 from engine.proposers import eagle as eagle_proposer
 from engine.proposers.base import Proposal
@@ -57,10 +60,9 @@ def quiet(*_args: object) -> None:
 
 def _train(target: Path) -> tuple[EagleDraft, list[float]]:
     model = load_model(target, torch.device("cpu"), "float32")
-    return train_eagle(
-        model, load_tokenizer(target), SAMPLE_TEXT, SPEC, model_version(target), target.name,
-        quiet,
-    )
+    version = model_version(target)
+    data = build_data(model, load_tokenizer(target), SAMPLE_TEXT, SPEC, version, quiet)
+    return train_eagle(model, data, SPEC, version, target.name, quiet)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +151,7 @@ def test_incremental_draft_cache_equals_a_fresh_pass(trained: tuple[Path, Path])
         model_version(target),
     )
     tokens = load_tokenizer(target).encode("class Point:\n    def __init__(self, x, y):")
-    hidden = hidden_states(model, [tokens])[0]
+    hidden = features(model, [tokens])[0]
     proposer = EagleProposer(draft)
     proposer.start(tokens[:5])
     params = SamplingParams(max_tokens=8, temperature=0.0)
@@ -203,7 +205,7 @@ def test_proposed_tree_equals_eagle2_over_fresh_draft_passes(
         model_version(target),
     )
     tokens = load_tokenizer(target).encode("for i in range(10):\n    print(i")
-    hidden = hidden_states(model, [tokens])[0]
+    hidden = features(model, [tokens])[0]
     tree = EagleTree(steps, topk, budget)
     grown: list[DraftTree] = []
 
@@ -420,3 +422,110 @@ def test_eagle_method_with_medusa_heads_is_refused_naming_both(
     )
     with pytest.raises(HeadsMismatchError, match=r"needs eagle heads.*holds medusa heads"):
         Engine.load(config)
+
+
+# --- a draft vocabulary (EAGLE-3's d2t/t2d) ----------------------------------------------
+
+SUBSET_SPEC = dataclasses.replace(SPEC, draft_vocab_size=48)
+
+
+@pytest.fixture(scope="module")
+def subset_trained(
+    trained: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    target, _ = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    version = model_version(target)
+    data = build_data(model, load_tokenizer(target), SAMPLE_TEXT, SUBSET_SPEC, version, quiet)
+    draft, _ = train_eagle(model, data, SUBSET_SPEC, version, target.name, quiet)
+    out = tmp_path_factory.mktemp("eagle-subset") / "heads"
+    draft.save(out)
+    return target, out
+
+
+@pytest.fixture(scope="module")
+def subset_engine(subset_trained: tuple[Path, Path]) -> Iterator[Engine]:
+    eng = _engine(*subset_trained)
+    yield eng
+    eng.close()
+
+
+def test_a_draft_vocabulary_loads_from_d2t_and_t2d(subset_trained: tuple[Path, Path]) -> None:
+    target, heads = subset_trained
+    config = json.loads((heads / "config.json").read_text())
+    assert config["draft_vocab_size"] == 48
+    tensors = load_file(str(heads / "model.safetensors"))
+    ids = tensors["d2t"] + torch.arange(48)
+    assert tensors["t2d"].nonzero().flatten().tolist() == ids.tolist()
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    draft = load_eagle(
+        heads, model.get_input_embeddings(), head, 64, model.config.vocab_size,
+        model_version(target),
+    )
+    assert draft.head.vocabulary is not None and draft.head.vocabulary.tolist() == ids.tolist()
+    # The draft scores the subset only, and names target tokens for its indices.
+    assert draft.logits(torch.zeros(64)).shape == (48,)
+    assert draft.to_target(torch.tensor([0, 47])).tolist() == [ids[0], ids[47]]
+
+
+def test_subset_eagle_proposes_inside_it_and_stays_lossless(
+    subset_engine: Engine, subset_trained: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tensors = load_file(str(subset_trained[1] / "model.safetensors"))
+    subset = set((tensors["d2t"] + torch.arange(48)).tolist())
+    proposed: list[int] = []
+    propose = EagleProposer.propose
+
+    def recording(self: EagleProposer, *args: Any, **kwargs: Any) -> Proposal:
+        proposal = propose(self, *args, **kwargs)
+        proposed.extend(proposal.tokens)
+        return proposal
+
+    monkeypatch.setattr(EagleProposer, "propose", recording)
+    accepted = 0
+    for text in PROMPTS:
+        prompt = tuple(subset_engine.tokenizer.encode(text))
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        plain = subset_engine.generate(
+            GenerationRequest(prompt, params, SpeculativeChoice("none"))
+        )
+        eagle = subset_engine.generate(
+            GenerationRequest(prompt, params, SpeculativeChoice("eagle", 8))
+        )
+        assert eagle.token_ids == plain.token_ids
+        accepted += eagle.stats.num_accepted_tokens
+    assert proposed and set(proposed) <= subset
+    assert accepted > 0, "the subset draft never got a token accepted: the test proves too little"
+
+
+@pytest.mark.slow
+def test_sampled_eagle_with_a_draft_vocabulary_is_exact(subset_engine: Engine) -> None:
+    """Chi-square at SIGNIFICANCE (0.001) over SAMPLES draws of the first two tokens."""
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    prompt = subset_engine.tokenizer.encode("def add(a, b):\n")
+    counts = draw(subset_engine, prompt, params, "eagle")
+    assert chi_square_p_value(counts, exact_pair_distribution(subset_engine, prompt, params)) > (
+        SIGNIFICANCE
+    )
+
+
+def test_features_are_the_lm_head_input_at_every_position(trained: tuple[Path, Path]) -> None:
+    """``features`` skips the LM head's pass: it must still be exactly what that head reads."""
+    target, _ = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    tokens = [load_tokenizer(target).encode(text) for text in PROMPTS]
+    captured: list[torch.Tensor] = []
+    hook = head.register_forward_pre_hook(lambda _m, inputs: captured.append(inputs[0]))
+    try:
+        with torch.inference_mode():
+            for ids in tokens:
+                model(input_ids=torch.tensor([ids]))
+    finally:
+        hook.remove()
+    batched = features(model, tokens)
+    for row, (ids, alone) in enumerate(zip(tokens, captured, strict=True)):
+        torch.testing.assert_close(batched[row, : len(ids)], alone[0], rtol=1e-5, atol=1e-5)

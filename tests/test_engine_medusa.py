@@ -8,17 +8,22 @@ target are refused, naming both versions.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
 
 from engine import decoding
 from engine.adaptive import PassCosts, SpeculationLength
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.heads.medusa import HeadsMismatchError, load_heads
-from engine.heads.train import HeadsSpec, train_medusa
+from engine.heads import data as heads_data
+from engine.heads.medusa import HeadsMismatchError, MedusaHeads, load_heads
+from engine.heads.train import HeadsSpec, build_data, train_medusa
 from engine.loading import load_model, load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.proposers.base import Proposal
@@ -51,14 +56,20 @@ def quiet(*_args: object) -> None:
     return None
 
 
+def _train(
+    model: PreTrainedModel, target: Path, spec: HeadsSpec = SPEC
+) -> tuple[MedusaHeads, list[float]]:
+    version = model_version(target)
+    data = build_data(model, load_tokenizer(target), SAMPLE_TEXT, spec, version, quiet)
+    return train_medusa(model, data, spec, version, quiet)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("medusa")
     target = build_model(root / "target", build_tokenizer(), seed=0, hidden=64, layers=2)
     model = load_model(target, torch.device("cpu"), "float32")
-    heads, losses = train_medusa(
-        model, load_tokenizer(target), SAMPLE_TEXT, SPEC, model_version(target), quiet
-    )
+    heads, losses = _train(model, target)
     assert losses[-1] < losses[0], f"training did not lower the loss: {losses}"
     heads.save(root / "heads")
     return target, root / "heads"
@@ -81,9 +92,7 @@ def engine(trained: tuple[Path, Path]) -> Iterator[Engine]:
 def test_training_is_deterministic(trained: tuple[Path, Path], tmp_path: Path) -> None:
     target, heads = trained
     model = load_model(target, torch.device("cpu"), "float32")
-    again, _ = train_medusa(
-        model, load_tokenizer(target), SAMPLE_TEXT, SPEC, model_version(target), quiet
-    )
+    again, _ = _train(model, target)
     again.save(tmp_path / "again")
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == (
         heads / "model.safetensors"
@@ -197,3 +206,146 @@ def test_medusa_in_a_shared_batch_sees_the_hidden_rows_it_sees_alone(
         assert len(rows_alone) == len(rows_batched)
         for a, b in zip(rows_alone, rows_batched, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+# A draft vocabulary of 48 of the tiny target's 320 tokens: the heads score those only.
+SUBSET_SPEC = dataclasses.replace(SPEC, draft_vocab_size=48)
+
+
+@pytest.fixture(scope="module")
+def subset_trained(
+    trained: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    target, _ = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    heads, _ = _train(model, target, SUBSET_SPEC)
+    out = tmp_path_factory.mktemp("medusa-subset") / "heads"
+    heads.save(out)
+    return target, out
+
+
+@pytest.fixture(scope="module")
+def subset_engine(subset_trained: tuple[Path, Path]) -> Iterator[Engine]:
+    target, heads = subset_trained
+    config = EngineConfig(
+        target=target,
+        heads=heads,
+        dtype="float32",
+        speculative=SpeculativeConfig(method="medusa", acceptance_threshold=0.0, min_speedup=0.0),
+    )
+    eng = Engine.load(config)
+    yield eng
+    eng.close()
+
+
+def _subset_of(heads: Path) -> set[int]:
+    tensors = load_file(str(heads / "model.safetensors"))
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    ids = (d2t + torch.arange(len(d2t))).tolist()
+    assert t2d.dtype == torch.bool and t2d.nonzero().flatten().tolist() == ids
+    return set(ids)
+
+
+def test_a_draft_vocabulary_is_saved_as_d2t_and_t2d(subset_trained: tuple[Path, Path]) -> None:
+    target, heads = subset_trained
+    config = json.loads((heads / "config.json").read_text())
+    assert config["draft_vocab_size"] == 48
+    subset = _subset_of(heads)
+    assert len(subset) == 48
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Linear)
+    loaded = load_heads(heads, head, 64, model.config.vocab_size, model_version(target))
+    assert loaded.head.vocabulary is not None
+    assert set(loaded.head.vocabulary.tolist()) == subset
+    # Its rows are the target's, copied: the logits over the subset are the full head's there.
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded.head(hidden), head(hidden)[:, loaded.head.vocabulary], rtol=0, atol=1e-6
+        )
+    # Extra memory: the heads' parameters and the copied rows, nothing of the target's.
+    rows = 48 * 64 * 4
+    assert loaded.extra_bytes() == loaded.extra_parameters() * 4 + rows + 48 * 8
+
+
+def test_an_inconsistent_t2d_is_refused(subset_trained: tuple[Path, Path], tmp_path: Path) -> None:
+    target, heads = subset_trained
+    tensors = load_file(str(heads / "model.safetensors"))
+    tensors["t2d"] = tensors["t2d"].clone()
+    tensors["t2d"][int(tensors["t2d"].logical_not().nonzero()[0])] = True
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    save_file(tensors, str(broken / "model.safetensors"))
+    (broken / "config.json").write_text((heads / "config.json").read_text())
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    with pytest.raises(HeadsMismatchError, match="t2d does not match d2t"):
+        load_heads(broken, head, 64, model.config.vocab_size, model_version(target))
+
+
+def test_subset_heads_propose_inside_it_and_stay_lossless(
+    subset_engine: Engine, subset_trained: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    subset = _subset_of(subset_trained[1])
+    proposed: list[int] = []
+    propose = MedusaProposer.propose
+
+    def recording(self: MedusaProposer, *args: object, **kwargs: object) -> Proposal:
+        proposal = propose(self, *args, **kwargs)  # type: ignore[arg-type]
+        proposed.extend(proposal.tokens)
+        return proposal
+
+    monkeypatch.setattr(MedusaProposer, "propose", recording)
+    accepted = 0
+    for text in ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n    def"]:
+        prompt = tuple(subset_engine.tokenizer.encode(text))
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        choice = SpeculativeChoice("none")
+        plain = subset_engine.generate(GenerationRequest(prompt, params, choice))
+        medusa = subset_engine.generate(
+            GenerationRequest(prompt, params, SpeculativeChoice("medusa", 8))
+        )
+        assert medusa.token_ids == plain.token_ids
+        accepted += medusa.stats.num_accepted_tokens
+    assert proposed and set(proposed) <= subset
+    assert accepted > 0, "the subset heads never got a token accepted: the test proves too little"
+
+
+@pytest.mark.slow
+def test_sampled_medusa_with_a_draft_vocabulary_is_exact(subset_engine: Engine) -> None:
+    """Chi-square at SIGNIFICANCE (0.001) over SAMPLES draws of the first two tokens: the
+    subset limits what the heads propose, never what the target can output."""
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    prompt = subset_engine.tokenizer.encode("def add(a, b):\n")
+    counts = draw(subset_engine, prompt, params, "medusa")
+    assert chi_square_p_value(counts, exact_pair_distribution(subset_engine, prompt, params)) > (
+        SIGNIFICANCE
+    )
+
+
+def test_answers_and_features_are_read_back_from_the_cache(
+    trained: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second training on the same data (the other method, fewer prompts) reads the
+    target's answers and features back instead of running the target again."""
+    target, _ = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    tokenizer, version = load_tokenizer(target), model_version(target)
+    first = build_data(model, tokenizer, SAMPLE_TEXT, SPEC, version, quiet, cache_dir=tmp_path)
+
+    def not_again(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the target ran again despite the cache")
+
+    compute_features = heads_data.features
+    monkeypatch.setattr(heads_data, "greedy_answers", not_again)
+    monkeypatch.setattr(heads_data, "features", not_again)
+    again = build_data(model, tokenizer, SAMPLE_TEXT, SPEC, version, quiet, cache_dir=tmp_path)
+    assert torch.equal(first.ids, again.ids) and torch.equal(first.hidden, again.hidden)
+    # Fewer snippets are a prefix of the same seeded ones: their answers are cached (their
+    # features, of other sequences, are computed).
+    monkeypatch.setattr(heads_data, "features", compute_features)
+    fewer = dataclasses.replace(SPEC, snippets=SPEC.snippets // 2)
+    part = build_data(model, tokenizer, SAMPLE_TEXT, fewer, version, quiet, cache_dir=tmp_path)
+    assert torch.equal(part.ids, first.ids[: SPEC.snippets // 2])

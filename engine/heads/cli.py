@@ -18,17 +18,40 @@ def train(
     out: Annotated[Path, typer.Option(help="Where to write the heads.")],
     method: Annotated[str, typer.Option(help="medusa | eagle")] = "medusa",
     data: Annotated[
-        Path | None, typer.Option(help="Text directory to continue; default: the demo corpus.")
+        Path | None,
+        typer.Option(help="Text directory whose snippets the target continues; default: the "
+                     "target answers the demo's distillation prompts."),
     ] = None,
-    steps: Annotated[int, typer.Option(help="Training steps.")] = 300,
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 400,
     seed: Annotated[int, typer.Option(help="Seed of the data order and the heads.")] = 0,
     num_heads: Annotated[int, typer.Option(help="medusa_num_heads (Medusa only)")] = 4,
-    snippets: Annotated[int, typer.Option(help="Prompts the target continues.")] = 256,
+    prompts: Annotated[
+        int, typer.Option(help="Demo distillation prompts the target answers (without --data).")
+    ] = 320,
+    snippets: Annotated[
+        int | None,
+        typer.Option(help="Text snippets the target continues (default: 256 with --data, "
+                     "none without)."),
+    ] = None,
+    answer_tokens: Annotated[int, typer.Option(help="Tokens per answer or continuation.")] = 128,
+    generation_batch: Annotated[int, typer.Option(help="Prompts answered side by side.")] = 64,
+    draft_vocab_size: Annotated[
+        int, typer.Option(help="Tokens the heads score (the target's most written); 0: all.")
+    ] = 8192,
     rows_per_step: Annotated[
         int, typer.Option(help="Positions per step (EAGLE: of the token loss).")
     ] = 256,
+    sequences_per_step: Annotated[
+        int, typer.Option(help="Whole sequences per step (EAGLE only).")
+    ] = 4,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 3e-3,
+    cache: Annotated[
+        Path | None,
+        typer.Option(help="Where the target's answers are cached, keyed by its version and "
+                     "the prompts (default: --out); give both methods one to answer once."),
+    ] = None,
 ) -> None:
-    """Train heads on the target's own continuations; deterministic for a given seed."""
+    """Train heads on the target's own answers; deterministic for a given seed."""
     if method not in ("medusa", "eagle"):
         raise typer.BadParameter(f"method {method!r}: heads are 'medusa' or 'eagle'")
     import torch
@@ -43,13 +66,23 @@ def train(
 
     from engine.heads.eagle import EagleDraft
     from engine.heads.medusa import MedusaHeads
-    from engine.heads.train import HeadsSpec, corpus_texts, train_eagle, train_medusa
+    from engine.heads.train import (
+        HeadsSpec,
+        build_data,
+        corpus_texts,
+        demo_chats,
+        train_eagle,
+        train_medusa,
+    )
     from engine.loading import load_model, load_tokenizer
     from engine.versioning import model_version
 
     spec = HeadsSpec(
-        num_heads=num_heads, steps=steps, seed=seed, snippets=snippets,
-        rows_per_step=rows_per_step,
+        num_heads=num_heads, steps=steps, seed=seed,
+        snippets=(256 if data is not None else 0) if snippets is None else snippets,
+        answer_tokens=answer_tokens, generation_batch=generation_batch,
+        rows_per_step=rows_per_step, sequences_per_step=sequences_per_step, lr=lr,
+        warmup_steps=min(50, steps // 10), draft_vocab_size=draft_vocab_size or None,
     )
     started = time.perf_counter()
     tokenizer = load_tokenizer(target)
@@ -68,22 +101,34 @@ def train(
                 tasks[phase], completed=done, detail=f"loss {loss:.3f}" if loss else ""
             )
 
-        texts, version = corpus_texts(data), model_version(target)
+        version = model_version(target)
+        texts = corpus_texts(data) if spec.snippets else []
+        chats = demo_chats(prompts, seed) if data is None else []
+        distilled = build_data(
+            model, tokenizer, texts, spec, version, report, chats=chats,
+            cache_dir=cache or out,
+        )
+        data_seconds = time.perf_counter() - started
         heads: MedusaHeads | EagleDraft
+        eos = tokenizer.eos_token_id
         if method == "eagle":
             heads, losses = train_eagle(
-                model, tokenizer, texts, spec, version, target.name, report
+                model, distilled, spec, version, target.name, report, eos=eos
             )
         else:
-            heads, losses = train_medusa(model, tokenizer, texts, spec, version, report)
+            heads, losses = train_medusa(model, distilled, spec, version, report, eos=eos)
     heads.save(out)
+    target_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     summary = {
         "method": method,
         "target_model_version": heads.config.target_model_version,
+        "draft_vocab_size": heads.config.draft_vocab_size,
+        "sequences": int(distilled.ids.shape[0]),
+        "positions": distilled.positions,
         "extra_parameters": heads.extra_parameters(),
-        "extra_share_of_target": heads.extra_parameters()
-        / sum(p.numel() for p in model.parameters()),
+        "extra_memory_share_of_target": round(heads.extra_bytes() / target_bytes, 4),
         "losses": losses,
+        "data_seconds": round(data_seconds, 1),
         "seconds": round(time.perf_counter() - started, 1),
     }
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -6,7 +6,9 @@ one Llama-style decoder layer over them (attending to the earlier positions thro
 small KV cache) and predicts the next feature f_{t+1}; the target's (frozen, shared) LM head
 turns that into a distribution over x_{t+2}. Deeper guesses feed the draft its own predicted
 features. The target's embedding and LM head are shared, not stored: the draft costs one
-layer and the fusion matrix.
+layer and the fusion matrix. With a draft vocabulary (``engine.heads.vocabulary``, EAGLE-3's
+``d2t``/``t2d``) the draft reads only the LM head's rows for the tokens the target writes
+most, which makes each tree level several times cheaper.
 
 On disk (vLLM's ``speculators`` format, so EAGLE heads converted by ``speculators`` load):
 ``config.json`` with ``speculators_model_type: "eagle"``, ``transformer_layer_config`` (a
@@ -14,7 +16,8 @@ Llama layer's sizes), ``layernorms``, ``fusion_bias`` and ``speculators_config``
 proposal method, verifier), plus the ``target_model_version`` the draft was trained on;
 weights in ``model.safetensors`` named ``fusion_fc.*`` and ``transformer.*`` (the layer's
 Llama names), and with ``layernorms`` ``embedding_layernorm.weight`` and
-``pre_lm_head_layernorm.weight``.
+``pre_lm_head_layernorm.weight``; a draft vocabulary adds ``d2t`` and ``t2d`` and
+``draft_vocab_size`` in the config.
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.heads.medusa import CONFIG_FILE, WEIGHTS_FILE, HeadsMismatchError
+from engine.heads.vocabulary import (
+    DRAFT_TO_TARGET,
+    TARGET_TO_DRAFT,
+    DraftHead,
+    extra_bytes,
+    vocabulary_from_tensors,
+)
 
 # The target's own tensors a ``speculators`` checkpoint may carry; Specgate shares the
 # target's instead of loading copies.
@@ -52,6 +62,7 @@ class EagleConfig:
     verifier_name: str | None = None
     verifier_architectures: tuple[str, ...] = ()
     target_model_version: str | None = None
+    draft_vocab_size: int | None = None  # None: the target's whole head
 
     @classmethod
     def for_target(
@@ -113,6 +124,11 @@ class EagleConfig:
                 },
             },
             "target_model_version": self.target_model_version,
+            **(
+                {"draft_vocab_size": self.draft_vocab_size}
+                if self.draft_vocab_size is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -149,6 +165,7 @@ class EagleConfig:
             verifier_name=verifier.get("name_or_path"),
             verifier_architectures=tuple(verifier.get("architectures") or ()),
             target_model_version=raw.get("target_model_version"),
+            draft_vocab_size=raw.get("draft_vocab_size"),
         )
 
 
@@ -259,7 +276,14 @@ class _DecoderLayer(nn.Module):
 
 
 class EagleDraft(nn.Module):
-    def __init__(self, config: EagleConfig, embed: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(
+        self,
+        config: EagleConfig,
+        embed: nn.Module,
+        lm_head: nn.Module,
+        vocabulary: torch.Tensor | None = None,
+    ) -> None:
+        """``vocabulary``: the draft vocabulary's target ids (None: the whole LM head)."""
         super().__init__()
         self.config = config
         hidden = config.hidden_size
@@ -271,9 +295,10 @@ class EagleDraft(nn.Module):
         self.pre_lm_head_layernorm = (
             RMSNorm(hidden, config.rms_norm_eps) if config.layernorms else None
         )
-        # The target's embedding and LM head, not parameters of the draft (kept out of
-        # state_dict and of the optimiser).
-        self._shared = (embed, lm_head)
+        # The target's embedding, not a parameter of the draft (kept out of state_dict and
+        # of the optimiser), and its LM head (or the draft vocabulary's rows of it).
+        self._shared = (embed,)
+        self.head = DraftHead(lm_head, vocabulary)
 
     def forward(
         self,
@@ -300,18 +325,28 @@ class EagleDraft(nn.Module):
         return out, k, v
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        """The target's LM head over predicted features: logits of the token after next."""
+        """The target's LM head over predicted features: logits of the token after next,
+        over the draft vocabulary (``to_target`` names their tokens)."""
         if self.pre_lm_head_layernorm is not None:
             predicted = self.pre_lm_head_layernorm(predicted)
-        result: torch.Tensor = self._shared[1](predicted)
+        result: torch.Tensor = self.head(predicted)
         return result
+
+    def to_target(self, indices: torch.Tensor) -> torch.Tensor:
+        """Target token ids of ``logits``' indices."""
+        return self.head.to_target(indices)
 
     def extra_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def extra_bytes(self) -> int:
+        """Memory the draft adds to the target's (a draft vocabulary's rows included)."""
+        return extra_bytes(self)
+
     def save(self, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         tensors = {name: t.contiguous().cpu() for name, t in self.state_dict().items()}
+        tensors.update(self.head.tensors(self.config.vocab_size))
         save_file(tensors, str(out / WEIGHTS_FILE))
         (out / CONFIG_FILE).write_text(json.dumps(self.config.as_dict(), indent=2) + "\n")
 
@@ -373,12 +408,16 @@ def load_eagle(
             f"EAGLE heads in {heads_dir} are for hidden size {config.hidden_size} and "
             f"vocabulary {config.vocab_size}; the target has {hidden_size} and {vocab_size}"
         )
+    stored = load_file(str(heads_dir / WEIGHTS_FILE))
+    try:
+        vocabulary = vocabulary_from_tensors(stored, vocab_size, str(heads_dir))
+    except ValueError as error:
+        raise HeadsMismatchError(str(error)) from error
+    mapping = (DRAFT_TO_TARGET, TARGET_TO_DRAFT)
     tensors = {
-        name: t
-        for name, t in load_file(str(heads_dir / WEIGHTS_FILE)).items()
-        if name not in _SHARED_WITH_TARGET
+        name: t for name, t in stored.items() if name not in (*_SHARED_WITH_TARGET, *mapping)
     }
-    draft = EagleDraft(config, embed, lm_head)
+    draft = EagleDraft(config, embed, lm_head, vocabulary)
     expected = set(draft.state_dict())
     missing, unknown = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unknown:

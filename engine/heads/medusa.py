@@ -4,13 +4,17 @@ Head k, applied to the hidden state at position t (the input of the target's LM 
 predicts the token at t + 2 + k: the target's own head already gives t + 1. Each head is
 ``medusa_num_layers`` residual blocks ``x + SiLU(W x + b)`` followed by an output layer; a
 checkpoint trained by Specgate shares the target's (frozen) LM head instead of storing its
-own, so the heads cost a few hidden-by-hidden matrices, not a vocabulary-sized head each.
+own, so the heads cost a few hidden-by-hidden matrices, not a vocabulary-sized head each,
+and all heads run through that one head in a single matrix product. With a draft vocabulary
+(``engine.heads.vocabulary``) they share only its rows for the tokens the target writes
+most, which makes a draft step several times cheaper.
 
 On disk (Medusa's layout, so heads trained elsewhere load): ``config.json`` with
 ``medusa_num_heads`` and ``medusa_num_layers`` (plus ``hidden_size``, ``vocab_size`` and the
-``target_model_version`` they were trained on), weights in ``model.safetensors`` named
-``medusa_head.{k}.{j}.linear.weight|bias`` and, where a head has its own output layer,
-``medusa_head.{k}.{L}.weight``.
+``target_model_version`` they were trained on, and ``draft_vocab_size`` with a draft
+vocabulary), weights in ``model.safetensors`` named ``medusa_head.{k}.{j}.linear.weight|bias``
+and, where a head has its own output layer, ``medusa_head.{k}.{L}.weight``; a draft
+vocabulary adds ``d2t`` and ``t2d``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.heads import HeadsMismatchError
+from engine.heads.vocabulary import (
+    DRAFT_TO_TARGET,
+    TARGET_TO_DRAFT,
+    DraftHead,
+    extra_bytes,
+    vocabulary_from_tensors,
+)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -48,9 +59,10 @@ class MedusaConfig:
     hidden_size: int
     vocab_size: int
     target_model_version: str | None = None
+    draft_vocab_size: int | None = None  # None: the target's whole head
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        values: dict[str, object] = {
             "architectures": ["MedusaModel"],
             "medusa_num_heads": self.medusa_num_heads,
             "medusa_num_layers": self.medusa_num_layers,
@@ -58,11 +70,23 @@ class MedusaConfig:
             "vocab_size": self.vocab_size,
             "target_model_version": self.target_model_version,
         }
+        if self.draft_vocab_size is not None:
+            values["draft_vocab_size"] = self.draft_vocab_size
+        return values
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, config: MedusaConfig, lm_head: nn.Module, own_heads: bool = False) -> None:
+    def __init__(
+        self,
+        config: MedusaConfig,
+        lm_head: nn.Module,
+        own_heads: bool = False,
+        vocabulary: torch.Tensor | None = None,
+    ) -> None:
+        """``vocabulary``: the draft vocabulary's target ids (None: the whole head)."""
         super().__init__()
+        if own_heads and vocabulary is not None:
+            raise ValueError("heads with their own output layers have no draft vocabulary")
         self.config = config
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResBlock(config.hidden_size) for _ in range(config.medusa_num_layers)))
@@ -76,26 +100,47 @@ class MedusaHeads(nn.Module):
             if own_heads
             else None
         )
-        # The target's LM head, not a parameter of the heads (kept out of state_dict).
-        self._lm_head = [lm_head]
+        # The target's LM head (or its draft vocabulary's rows), not a parameter of the heads.
+        self.head = DraftHead(lm_head, vocabulary)
 
     def features(self, hidden: torch.Tensor, head: int) -> torch.Tensor:
         result: torch.Tensor = self.blocks[head](hidden)
         return result
 
     def logits(self, hidden: torch.Tensor, head: int) -> torch.Tensor:
-        """Head ``head``'s logits ``[..., vocab]`` from target hidden states ``[..., hidden]``."""
-        out = self.own[head] if self.own is not None else self._lm_head[0]
-        result: torch.Tensor = out(self.features(hidden, head))
+        """Head ``head``'s logits ``[..., draft vocabulary]`` from target hidden states
+        ``[..., hidden]``."""
+        if self.own is not None:
+            own: torch.Tensor = self.own[head](self.features(hidden, head))
+            return own
+        result: torch.Tensor = self.head(self.features(hidden, head))
         return result
+
+    def all_logits(self, hidden: torch.Tensor, heads: int) -> torch.Tensor:
+        """The first ``heads`` heads' logits ``[heads, draft vocabulary]`` from one hidden
+        state ``[hidden]``: the shared output head reads its weights once for all of them."""
+        if self.own is not None:
+            return torch.stack([self.logits(hidden, k) for k in range(heads)])
+        stacked = torch.stack([self.features(hidden, k) for k in range(heads)])
+        result: torch.Tensor = self.head(stacked)
+        return result
+
+    def to_target(self, indices: torch.Tensor) -> torch.Tensor:
+        """Target token ids of the heads' output indices."""
+        return self.head.to_target(indices)
 
     def extra_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def extra_bytes(self) -> int:
+        """Memory the heads add to the target's (a draft vocabulary's rows included)."""
+        return extra_bytes(self)
 
     def save(self, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         layers = self.config.medusa_num_layers
         tensors = {_to_medusa_name(name, layers): t for name, t in self.state_dict().items()}
+        tensors.update(self.head.tensors(self.config.vocab_size))
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out / WEIGHTS_FILE))
         (out / CONFIG_FILE).write_text(json.dumps(self.config.as_dict(), indent=2) + "\n")
 
@@ -110,6 +155,7 @@ def read_config(heads_dir: Path) -> MedusaConfig:
         hidden_size=int(raw["hidden_size"]),
         vocab_size=int(raw["vocab_size"]),
         target_model_version=raw.get("target_model_version"),
+        draft_vocab_size=raw.get("draft_vocab_size"),
     )
 
 
@@ -132,8 +178,14 @@ def load_heads(
             f"{config.vocab_size}; the target has {hidden_size} and {vocab_size}"
         )
     tensors = load_file(str(heads_dir / WEIGHTS_FILE))
+    try:
+        vocabulary = vocabulary_from_tensors(tensors, vocab_size, str(heads_dir))
+    except ValueError as error:
+        raise HeadsMismatchError(str(error)) from error
+    for name in (DRAFT_TO_TARGET, TARGET_TO_DRAFT):
+        tensors.pop(name, None)
     own = f"medusa_head.0.{config.medusa_num_layers}.weight" in tensors
-    heads = MedusaHeads(config, lm_head, own_heads=own)
+    heads = MedusaHeads(config, lm_head, own_heads=own, vocabulary=vocabulary)
     layers = config.medusa_num_layers
     state = {_to_medusa_name(name, layers): name for name in heads.state_dict()}
     missing = sorted(set(state) - set(tensors))

@@ -1,18 +1,22 @@
 """Self-distillation of draft heads (Medusa, EAGLE) on a frozen target.
 
-The target continues snippets of a corpus greedily (its own continuations, the tokens greedy
-speculation must propose); one frozen pass over each sequence gives the hidden states. Medusa
-head k then learns, at every continuation position t, the token the target wrote at
-t + 2 + k; the EAGLE draft learns the target's next feature and, through the target's LM
-head, the token after it (EAGLE's regression and classification losses). The target is never
-updated, so the hidden states are computed once and the training steps touch only the heads
-(and read the target's embedding and LM head). Everything is seeded: the same target, data
-and seed give the same heads.
+The data (``engine.heads.data``) is the target's own greedy answers and continuations, with
+its features at every position. Medusa head k learns, at every position t of the target's
+own tokens, the target's distribution of the token at t + 2 + k (its LM head over the feature
+at t + 1 + k: soft labels, whose top token is the one the target wrote). The EAGLE draft
+learns, at every position (prompt included: it reads the prompt at inference too), the
+target's next feature (smooth L1) and, through the target's LM head, the target's
+distribution of the token after it (EAGLE's regression and classification losses). Both
+score tokens over the draft vocabulary, the ``draft_vocab_size`` tokens the target wrote most
+often in this data (``engine.heads.vocabulary``). The target is never updated, so its
+features are computed once and the steps touch only the heads. Everything is seeded: the same
+target, data and seed give the same heads.
 """
 
 from __future__ import annotations
 
-import random
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +25,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from engine.heads.data import DataSpec, Distillation, Messages, distillation_data
 from engine.heads.eagle import EagleConfig, EagleDraft
 from engine.heads.medusa import MedusaConfig, MedusaHeads
+from engine.heads.vocabulary import DraftHead, frequent_tokens
 
 Progress = Callable[[str, int, int, float], None]
 
@@ -38,13 +44,23 @@ class HeadsSpec:
     steps: int = 300
     rows_per_step: int = 256
     lr: float = 1e-3
+    warmup_steps: int = 0
     seed: int = 0
+    # The tokens the heads score (None: the target's whole vocabulary).
+    draft_vocab_size: int | None = None
     # EAGLE only: whole sequences per step (its layer attends along them), the weight of the
     # token loss beside the feature regression, and the uniform noise added to the input
     # features (EAGLE's: drafting deeper reads the draft's own, inexact, features).
     sequences_per_step: int = 4
     token_loss_weight: float = 0.1
     feature_noise: float = 0.1
+
+    def data(self) -> DataSpec:
+        return DataSpec(
+            snippets=self.snippets, prompt_tokens=self.prompt_tokens,
+            answer_tokens=self.answer_tokens, generation_batch=self.generation_batch,
+            seed=self.seed,
+        )
 
 
 def corpus_texts(data: Path | None, limit_files: int = 400) -> list[str]:
@@ -58,91 +74,87 @@ def corpus_texts(data: Path | None, limit_files: int = 400) -> list[str]:
     return [p.read_text(errors="replace") for p in files]
 
 
-def snippets(
-    tokenizer: PreTrainedTokenizerBase, texts: list[str], spec: HeadsSpec
-) -> list[list[int]]:
-    """``spec.snippets`` prompts of ``spec.prompt_tokens`` tokens at seeded offsets."""
-    rng = random.Random(spec.seed)
-    encoded = [ids for ids in (tokenizer.encode(t) for t in texts) if len(ids) > spec.prompt_tokens]
-    if not encoded:
-        raise ValueError("no text long enough to cut prompts from")
-    out = []
-    for _ in range(spec.snippets):
-        ids = rng.choice(encoded)
-        start = rng.randrange(len(ids) - spec.prompt_tokens)
-        out.append(ids[start : start + spec.prompt_tokens])
-    return out
+def demo_chats(count: int, seed: int) -> list[Messages]:
+    """The demo's distillation prompts (everyday and code questions, completion, editing, JSON
+    extraction; none of the benchmark's)."""
+    from engine.demo.corpus import load_corpus
+    from engine.demo.prompts import distillation_prompts
+
+    return distillation_prompts(load_corpus().train, count, seed)
 
 
-@torch.inference_mode()
-def continuations(
-    target: PreTrainedModel, prompts: list[list[int]], spec: HeadsSpec, pad: int,
-    progress: Progress,
-) -> list[list[int]]:
-    """Prompt plus the target's greedy continuation, for each prompt (all the same length)."""
-    out: list[list[int]] = []
-    for start in range(0, len(prompts), spec.generation_batch):
-        batch = torch.tensor(prompts[start : start + spec.generation_batch])
-        generated = target.generate(  # type: ignore[operator]
-            input_ids=batch, attention_mask=torch.ones_like(batch),
-            max_new_tokens=spec.answer_tokens, min_new_tokens=spec.answer_tokens,
-            do_sample=False, pad_token_id=pad,
-        )
-        out.extend(generated.tolist())
-        progress("continuations", len(out), len(prompts), 0.0)
-    return out
-
-
-@torch.inference_mode()
-def hidden_states(target: PreTrainedModel, sequences: list[list[int]]) -> torch.Tensor:
-    """The input of the target's LM head at every position, ``[sequences, length, hidden]``."""
-    captured: list[torch.Tensor] = []
-    head = target.get_output_embeddings()
-    assert head is not None
-    hook = head.register_forward_pre_hook(lambda _m, inputs: captured.append(inputs[0].float()))
-    try:
-        # Small batches: the LM head runs on every position (its input is what we keep).
-        for start in range(0, len(sequences), 4):
-            target(input_ids=torch.tensor(sequences[start : start + 4]))
-    finally:
-        hook.remove()
-    return torch.cat(captured)
-
-
-def _distillation_data(
+def build_data(
     target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: list[str],
-    spec: HeadsSpec, progress: Progress,
-) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Linear]:
-    """The target's continuations ``[sequences, length]``, its hidden states there
-    ``[sequences, length, hidden]`` and its (frozen) LM head."""
-    torch.manual_seed(spec.seed)
-    target.eval()
-    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-    sequences = continuations(target, snippets(tokenizer, texts, spec), spec, pad, progress)
-    hidden = hidden_states(target, sequences)
+    spec: HeadsSpec, target_version: str, progress: Progress,
+    chats: list[Messages] | None = None, cache_dir: Path | None = None,
+) -> Distillation:
+    return distillation_data(
+        target, tokenizer, target_version, spec.data(), progress, texts=texts,
+        chats=chats or [], cache_dir=cache_dir,
+    )
+
+
+def _lr_at(spec: HeadsSpec, step: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth."""
+    if step < spec.warmup_steps:
+        return spec.lr * (step + 1) / spec.warmup_steps
+    done = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
+    return spec.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, done))))
+
+
+def _draft_head(
+    target: PreTrainedModel, data: Distillation, spec: HeadsSpec, eos: int | None
+) -> tuple[DraftHead, torch.nn.Linear]:
+    """The draft vocabulary's head over the target's (frozen) LM head, and that LM head."""
     lm_head = target.get_output_embeddings()
     assert isinstance(lm_head, torch.nn.Linear)
     lm_head.requires_grad_(False)
-    return torch.tensor(sequences), hidden, lm_head
+    vocab = int(lm_head.weight.shape[0])
+    if spec.draft_vocab_size is None or spec.draft_vocab_size >= vocab:
+        return DraftHead(lm_head), lm_head
+    always = [eos] if eos is not None else []
+    vocabulary = frequent_tokens(data.own_tokens, spec.draft_vocab_size, always, vocab)
+    return DraftHead(lm_head, vocabulary), lm_head
+
+
+def _soft_cross_entropy(logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``logits`` against the teacher's distribution (from its logits)."""
+    target = torch.softmax(teacher.float(), dim=-1)
+    return -(target * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+
+
+def _step(optimizer: torch.optim.Optimizer, spec: HeadsSpec, step: int) -> None:
+    """One optimiser step at the scheduled rate, gradients clipped to norm 1 (the draft's
+    layer diverged at 3e-3 without it)."""
+    for group in optimizer.param_groups:
+        group["lr"] = _lr_at(spec, step)
+        torch.nn.utils.clip_grad_norm_(group["params"], 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def train_medusa(
-    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: list[str],
-    spec: HeadsSpec, target_version: str, progress: Progress,
+    target: PreTrainedModel, data: Distillation, spec: HeadsSpec, target_version: str,
+    progress: Progress, eos: int | None = None,
 ) -> tuple[MedusaHeads, list[float]]:
-    """Heads trained on ``target``'s continuations of ``texts``; returns them and the loss
-    of every tenth step."""
-    ids, hidden, lm_head = _distillation_data(target, tokenizer, texts, spec, progress)
+    """Heads trained on ``data``; returns them and the loss of every tenth step."""
+    torch.manual_seed(spec.seed)
+    head, lm_head = _draft_head(target, data, spec, eos)
     config = MedusaConfig(
         medusa_num_heads=spec.num_heads, medusa_num_layers=spec.num_layers,
-        hidden_size=hidden.shape[-1], vocab_size=int(lm_head.weight.shape[0]),
+        hidden_size=data.hidden.shape[-1], vocab_size=int(lm_head.weight.shape[0]),
         target_model_version=target_version,
+        draft_vocab_size=None if head.vocabulary is None else head.size,
     )
-    heads = MedusaHeads(config, lm_head)
-    # Positions t in the continuation whose token t + 2 + k exists for every head.
-    first = spec.prompt_tokens - 1
-    last = ids.shape[1] - 2 - spec.num_heads
-    rows = [(s, t) for s in range(ids.shape[0]) for t in range(first, last + 1)]
+    heads = MedusaHeads(config, lm_head, vocabulary=head.vocabulary)
+    # Positions t from the last prompt token on whose token t + 2 + k exists for every head.
+    rows = [
+        (s, t)
+        for s in range(data.ids.shape[0])
+        for t in range(int(data.own_from[s]) - 1, int(data.lengths[s]) - 2 - spec.num_heads + 1)
+    ]
+    if not rows:
+        raise ValueError("the target's answers are too short for this many heads")
     optimizer = torch.optim.AdamW(heads.parameters(), lr=spec.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(spec.seed)
     losses: list[float] = []
@@ -151,14 +163,15 @@ def train_medusa(
         pick = torch.randint(len(rows), (min(spec.rows_per_step, len(rows)),), generator=generator)
         seq = torch.tensor([rows[i][0] for i in pick])
         pos = torch.tensor([rows[i][1] for i in pick])
-        h = hidden[seq, pos]
+        h = data.hidden[seq, pos]
         loss = torch.zeros(())
         for k in range(spec.num_heads):
-            loss = loss + F.cross_entropy(heads.logits(h, k).float(), ids[seq, pos + 2 + k])
+            with torch.no_grad():
+                teacher = heads.head(data.hidden[seq, pos + 1 + k])
+            loss = loss + _soft_cross_entropy(heads.logits(h, k), teacher)
         loss = loss / spec.num_heads
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        _step(optimizer, spec, step)
         if step % 10 == 0:
             losses.append(round(loss.item(), 4))
         progress("training", step + 1, spec.steps, loss.item())
@@ -166,50 +179,56 @@ def train_medusa(
 
 
 def train_eagle(
-    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: list[str],
-    spec: HeadsSpec, target_version: str, target_name: str | None, progress: Progress,
+    target: PreTrainedModel, data: Distillation, spec: HeadsSpec, target_version: str,
+    target_name: str | None, progress: Progress, eos: int | None = None,
 ) -> tuple[EagleDraft, list[float]]:
-    """An EAGLE draft trained on ``target``'s continuations of ``texts``; returns it and the
-    loss of every tenth step.
+    """An EAGLE draft trained on ``data``; returns it and the loss of every tenth step.
 
     Each step takes whole sequences: at position t the draft reads the target's feature f_t
-    (plus noise) and the token x_{t+1}, and learns f_{t+1} (smooth L1) and, through the
-    target's LM head, x_{t+2} where the target wrote it itself (the continuation), at
-    ``rows_per_step`` positions drawn from those."""
-    ids, hidden, lm_head = _distillation_data(target, tokenizer, texts, spec, progress)
+    (plus noise) and the token x_{t+1}, and learns f_{t+1} (smooth L1) and the target's
+    distribution of x_{t+2} (its LM head over f_{t+1}), at ``rows_per_step`` positions drawn
+    from every real one (the LM head dominates a step's cost)."""
+    torch.manual_seed(spec.seed)
     embed = target.get_input_embeddings()
     assert isinstance(embed, torch.nn.Module)
     embed.requires_grad_(False)
+    head, lm_head = _draft_head(target, data, spec, eos)
     config = EagleConfig.for_target(
         target.config, int(lm_head.weight.shape[0]), target_name, target_version
     )
-    draft = EagleDraft(config, embed, lm_head)
-    length = ids.shape[1]
-    positions = torch.arange(length - 1)
-    # Outputs at t predict x_{t+2}; the target's own tokens start at prompt_tokens.
-    first = max(0, spec.prompt_tokens - 2)
+    if head.vocabulary is not None:
+        config = dataclasses.replace(config, draft_vocab_size=head.size)
+    draft = EagleDraft(config, embed, lm_head, head.vocabulary)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=spec.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(spec.seed)
     losses: list[float] = []
     draft.train()
     for step in range(spec.steps):
         pick = torch.randint(
-            ids.shape[0], (min(spec.sequences_per_step, ids.shape[0]),), generator=generator
+            data.ids.shape[0], (min(spec.sequences_per_step, data.ids.shape[0]),),
+            generator=generator,
         )
-        features = hidden[pick, :-1]
+        length = int(data.lengths[pick].max())
+        features = data.hidden[pick, : length - 1]
+        following = data.hidden[pick, 1:length]
         noise = torch.rand(features.shape, generator=generator) * 2 - 1
-        predicted, _, _ = draft(features + noise * spec.feature_noise, ids[pick, 1:], positions)
-        regression = F.smooth_l1_loss(predicted, hidden[pick, 1:])
-        # The LM head dominates a step's cost: the token loss takes rows_per_step of them.
-        rows = predicted[:, first : length - 2].flatten(0, 1)
-        labels = ids[pick, first + 2 :].flatten()
+        positions = torch.arange(length - 1)
+        predicted, _, _ = draft(
+            features + noise * spec.feature_noise, data.ids[pick, 1:length], positions
+        )
+        # Real positions t: both f_t and f_{t+1} inside the sequence.
+        real = positions[None] < (data.lengths[pick, None] - 1)
+        regression = F.smooth_l1_loss(predicted[real], following[real])
+        rows = predicted[real]
         keep = torch.randperm(rows.shape[0], generator=generator)[: spec.rows_per_step]
-        tokens = F.cross_entropy(draft.logits(rows[keep]).float(), labels[keep])
+        with torch.no_grad():
+            teacher = head(following[real][keep])
+        tokens = _soft_cross_entropy(draft.logits(rows[keep]), teacher)
         loss = regression + spec.token_loss_weight * tokens
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        _step(optimizer, spec, step)
         if step % 10 == 0:
             losses.append(round(loss.item(), 4))
         progress("training", step + 1, spec.steps, loss.item())
     return draft.eval(), losses
+

@@ -25,8 +25,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.heads import check_heads_kind, heads_method
-from engine.heads.eagle import EagleCache, EagleDraft, load_eagle
-from engine.loading import embedding_rows
+from engine.heads.eagle import EagleCache, EagleDraft
+from engine.heads.loading import eagle_for
 from engine.logits_processors import LogitsProcessing
 from engine.methods import Artefact, ArtefactSpec, LoadContext, LoadedMethod, MethodSpec, register
 from engine.proposers.base import Proposal
@@ -34,8 +34,10 @@ from engine.types import Method, SamplingParams
 from engine.versioning import model_version
 
 # Given the frontier's node ids and the tree so far (tokens, parents), the log-probabilities
-# ``[len(frontier), vocab]`` of each frontier node's children.
+# ``[len(frontier), draft vocabulary]`` of each frontier node's children.
 Expand = Callable[[list[int], list[int], list[int]], torch.Tensor]
+# Target token ids of draft-vocabulary indices (the identity without a draft vocabulary).
+ToTarget = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -56,9 +58,16 @@ class DraftTree:
     scores: list[float]  # cumulative draft log-probability of each node's path
 
 
-def grow_tree(root: torch.Tensor, expand: Expand, tree: EagleTree, budget: int) -> DraftTree:
+def grow_tree(
+    root: torch.Tensor,
+    expand: Expand,
+    tree: EagleTree,
+    budget: int,
+    to_target: ToTarget | None = None,
+) -> DraftTree:
     """The best ``budget`` nodes of the tree grown from the root's log-probabilities
-    ``root`` ``[vocab]``; ``expand`` scores the children of a frontier."""
+    ``root`` ``[draft vocabulary]``; ``expand`` scores the children of a frontier and
+    ``to_target`` names the target tokens of their indices."""
     topk = min(tree.eagle_topk, budget)
     steps = min(tree.num_steps, budget)
     tokens: list[int] = []
@@ -69,6 +78,8 @@ def grow_tree(root: torch.Tensor, expand: Expand, tree: EagleTree, budget: int) 
     def add_children(rows: torch.Tensor, under: list[int]) -> list[int]:
         """Each parent's top-k children as candidates; returns the new node ids."""
         best, ids = torch.topk(rows, topk, dim=-1)
+        if to_target is not None:
+            ids = to_target(ids)
         added = []
         for row, parent in enumerate(under):
             base = scores[parent] if parent >= 0 else 0.0
@@ -170,7 +181,7 @@ class EagleProposer:
             return torch.log_softmax(self.draft.logits(out[0]).float(), dim=-1)
 
         root = torch.log_softmax(self.draft.logits(last).float(), dim=-1)
-        grown = grow_tree(root, expand, self.tree, budget)
+        grown = grow_tree(root, expand, self.tree, budget, self.draft.to_target)
         self._cache.truncate(committed)
         return Proposal(grown.tokens, parents=grown.parents)
 
@@ -238,17 +249,7 @@ def _load(context: LoadContext) -> LoadedMethod:
     directory = context.artefact_dir(EAGLE)
     assert directory is not None  # EngineConfig refuses the method without one
     check_heads_kind("eagle", directory)
-    target = context.target
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    assert isinstance(embed, torch.nn.Module) and isinstance(head, torch.nn.Module)
-    draft = load_eagle(
-        directory,
-        embed,
-        head,
-        int(target.config.hidden_size),
-        embedding_rows(target),
-        context.target_version,
-    ).to(device=target.device, dtype=target.dtype)
+    draft = eagle_for(directory, context.target, context.target_version)
     options = context.config.speculative.options_for("eagle")
     assert isinstance(options, EagleOptions)
     tree = options.tree()

@@ -20,8 +20,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.heads import HeadsMismatchError, check_heads_kind
-from engine.heads.medusa import MedusaHeads, load_heads, read_config
-from engine.loading import embedding_rows
+from engine.heads.loading import medusa_for
+from engine.heads.medusa import MedusaHeads, read_config
 from engine.logits_processors import LogitsProcessing
 from engine.methods import Artefact, ArtefactSpec, LoadContext, LoadedMethod, MethodSpec, register
 from engine.proposers.base import Proposal
@@ -94,8 +94,9 @@ class MedusaProposer:
         ranks = [1 + max(p[d] for p in paths if len(p) > d) for d in range(depth)]
         weight = next(self.heads.parameters())
         hidden = self._hidden.to(weight.dtype)
+        logits = self.heads.all_logits(hidden, depth)
         top = [
-            torch.topk(self.heads.logits(hidden, d).float(), ranks[d]).indices.tolist()
+            self.heads.to_target(torch.topk(logits[d], ranks[d]).indices).tolist()
             for d in range(depth)
         ]
         index = {path: i for i, path in enumerate(paths)}
@@ -137,16 +138,7 @@ def _load(context: LoadContext) -> LoadedMethod:
     directory = context.artefact_dir(MEDUSA)
     assert directory is not None  # EngineConfig refuses the method without one
     check_heads_kind("medusa", directory)
-    target = context.target
-    head = target.get_output_embeddings()
-    assert isinstance(head, torch.nn.Module)
-    heads = load_heads(
-        directory,
-        head,
-        int(target.config.hidden_size),
-        embedding_rows(target),
-        context.target_version,
-    ).to(device=target.device, dtype=target.dtype)
+    heads = medusa_for(directory, context.target, context.target_version)
     options = context.config.speculative.options_for("medusa")
     assert isinstance(options, MedusaOptions)
     tree = options.tree()
