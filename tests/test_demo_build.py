@@ -22,7 +22,6 @@ from engine.demo.corpus import load_corpus
 from engine.demo.draft import (
     QUICK_DRAFT,
     DraftSpec,
-    frequency_ranked_vocabulary,
     head_index,
     init_draft,
     soft_targets,
@@ -39,6 +38,7 @@ from engine.demo.package import (
 from engine.demo.paths import default_demo_dir
 from engine.demo.prompts import DistillationPrompt, distillation_prompts
 from engine.demo.target import MANIFEST
+from engine.heads.vocabulary import frequent_tokens
 from engine.proposers.vocabulary import VOCABULARY_FILE, load_head_vocabulary
 from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
@@ -123,7 +123,7 @@ def test_a_built_target_is_kept_and_needs_no_network(
 
 @given(st.lists(st.integers(0, 63), max_size=200), st.integers(1, 64))
 def test_the_head_vocabulary_keeps_the_most_frequent_tokens(tokens: list[int], size: int) -> None:
-    chosen = frequency_ranked_vocabulary([tokens], size, {0}, 64)
+    chosen = frequent_tokens([tokens], size, {0}, 64).tolist()
     assert chosen == sorted(set(chosen)) and 0 in chosen
     assert len(chosen) == max(size, 1)
     counts = {t: tokens.count(t) for t in set(tokens)}

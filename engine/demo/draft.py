@@ -42,6 +42,7 @@ from transformers import (
 
 from engine.demo.corpus import load_corpus
 from engine.demo.prompts import DistillationPrompt, Messages, distillation_prompts
+from engine.heads.vocabulary import frequent_tokens
 from engine.proposers.vocabulary import VOCABULARY_FILE
 
 Progress = Callable[[str, int, int, float], None]
@@ -144,24 +145,6 @@ def target_answers(
             )
         progress("answers", start + len(batch), len(order), 0.0)
     return [samples[i] for i in range(len(prompts))]
-
-
-def frequency_ranked_vocabulary(
-    answers: list[list[int]], size: int, always: set[int], vocab_size: int
-) -> list[int]:
-    """The ``size`` most frequent answer tokens (ties by id), plus ``always``, sorted by id."""
-    counts = Counter(t for answer in answers for t in answer)
-    ranked = [t for t, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
-    chosen = set(always)
-    for token in ranked:
-        if len(chosen) >= size:
-            break
-        chosen.add(token)
-    # Too few distinct tokens in the answers: fill with the lowest ids (byte-level tokens).
-    filler = iter(range(vocab_size))
-    while len(chosen) < min(size, vocab_size):
-        chosen.add(next(filler))
-    return sorted(chosen)
 
 
 def init_draft(target: LlamaForCausalLM, layers: tuple[int, ...]) -> LlamaForCausalLM:
@@ -343,10 +326,8 @@ def train_draft(
 ) -> tuple[LlamaForCausalLM, torch.Tensor, dict[str, object]]:
     """The draft (in the target's dtype), its head vocabulary, and the manifest's figures."""
     always = {int(t) for t in tokenizer.all_special_ids}
-    vocabulary = torch.tensor(
-        frequency_ranked_vocabulary(
-            [s.answer for s in train], spec.head_tokens, always, target.config.vocab_size
-        )
+    vocabulary = frequent_tokens(
+        [s.answer for s in train], spec.head_tokens, always, target.config.vocab_size
     )
     kept = set(vocabulary.tolist())
     held_tokens = [t for s in held_out for t in s.answer]
