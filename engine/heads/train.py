@@ -80,7 +80,7 @@ def demo_chats(count: int, seed: int) -> list[Messages]:
     from engine.demo.corpus import load_corpus
     from engine.demo.prompts import distillation_prompts
 
-    return distillation_prompts(load_corpus().train, count, seed)
+    return [prompt.messages for prompt in distillation_prompts(load_corpus().train, count, seed)]
 
 
 def build_data(
