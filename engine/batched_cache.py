@@ -1,21 +1,25 @@
-"""A KV cache for many sequences at once: one padded buffer per layer, one slot per sequence.
+"""A KV cache for many sequences at once: one slot per sequence, each slot growing on its own.
 
-Each full-attention layer keeps ``[slots, kv_heads, capacity, head_dim]`` keys and values
-(capacity doubled when a pass needs more). Before a pass the runner says which slots take
-part and at which storage index each fed row lands (``SlotBatch``); the layer writes the
-new keys there (one slice copy when the whole batch writes one run, a scatter otherwise)
-and hands attention a view of the participating slots' first ``kv_length`` positions.
-Which of those positions a row may see is the attention mask's business, so a
-sequence's length is only a number in the runner: rollback is O(1) (lower the number), and
-keeping a tree's accepted path copies only the accepted entries (``keep_path``).
+Each full-attention layer keeps, per slot, ``[kv_heads, capacity, head_dim]`` keys and values.
+A slot's capacity grows by doubling up to what the slot was reserved (``reserve``: the
+request's prompt + max_tokens + one step's rows), so a short request beside a long prompt
+keeps a short buffer, and a released slot gives its memory back. Before a pass the runner
+says which slots take part, where each one's fed rows start and how many rows every
+sequence feeds (``SlotBatch``); the layer writes the new keys behind each slot's prefix (one
+slice copy per slot) and hands attention ``[batch, kv_heads, kv_length, head_dim]``.
+Which of those positions a row may see is the attention mask's business, so a sequence's
+length is only a number in the runner: rollback is O(1) (lower the number), keeping a tree's
+accepted path copies only the accepted entries (``move``), and moving a sequence to another
+slot moves a reference (``move_slot``).
 
-Why padded slots and not pages: on CPU, PyTorch's SDPA reads one contiguous key/value
-tensor per sequence; a paged cache would have to gather its pages into one in every layer
-of every pass, a copy of the whole live cache per step, which is what the growable cache
-was written to avoid. The price of padding is memory (every slot has the capacity of the
-longest) and attention over the longest slot's length with the rest masked; both are small
-beside the weights at the batch sizes two cores can serve. A paged cache pays where memory,
-not bandwidth, bounds the batch (accelerators with a paged-attention kernel).
+What attention reads: a pass of one sequence gets a view of its own buffer (no copy); a pass
+of several gets their prefixes gathered into one transient padded tensor per layer (PyTorch's
+CPU SDPA takes one ``[batch, ...]`` tensor), freed when the layer is done. That gather is
+what per-slot growth costs against one buffer padded over every slot (the layout before
+this one, where one 2,000-token prompt made every slot 2,048 positions long for as long as
+it ran): a copy of the batch's live keys and values per layer per step, small beside the
+weights a pass reads at the batch sizes two cores serve (``bench.batch_memory`` measures
+both). A paged cache would gather the same way, from pages instead of slots.
 
 Only layers of plain full attention are batched; a model with sliding-window, chunked or
 recurrent layers is served one sequence at a time (``supports_batching``).
@@ -43,57 +47,55 @@ def supports_batching(config: PretrainedConfig) -> bool:
 
 @dataclass
 class SlotBatch:
-    """The slots of one pass: rows ``b`` of the batch use slot ``slots[b]``, fed row ``t``
-    is stored at index ``write_index[b, t]``, and attention sees ``kv_length`` positions."""
+    """The slots of one pass: batch row ``b`` uses slot ``slots[b]``, its ``rows`` fed rows
+    (padding included) are stored from index ``starts[b]``, and attention sees ``kv_length``
+    positions (the longest prefix plus the rows)."""
 
     slots: list[int]
-    write_index: torch.Tensor  # [batch, rows] long
+    starts: list[int]
+    rows: int
     kv_length: int
-    # Where each row's fed rows start when every row writes one run of indices (the runner's
-    # passes always do): a slice copy, several times cheaper than a scatter for one row.
-    starts: list[int] | None = None
-
-    def single_run(self) -> tuple[int, int] | None:
-        """(start, rows) when the whole batch writes one run at one start: a slice copy."""
-        if self.starts is None or any(start != self.starts[0] for start in self.starts):
-            return None
-        return self.starts[0], int(self.write_index.shape[1])
-
-    def contiguous_range(self) -> tuple[int, int] | None:
-        first = self.slots[0]
-        if self.slots == list(range(first, first + len(self.slots))):
-            return first, first + len(self.slots)
-        return None
 
 
 class SlotLayer(DynamicLayer):
-    """One attention layer's keys and values for every slot of a ``SlotCache``."""
+    """One attention layer's keys and values, a pair of buffers per slot of a ``SlotCache``."""
 
     def __init__(self, cache: SlotCache) -> None:
         super().__init__()
         self.owner = cache
-        self._keys = torch.empty(0)
-        self._values = torch.empty(0)
+        self._keys: list[torch.Tensor | None] = [None] * cache.max_slots
+        self._values: list[torch.Tensor | None] = [None] * cache.max_slots
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        capacity = max(INITIAL_CAPACITY, self.owner.batch.kv_length)
-        self._keys = self._allocate(key_states, capacity)
-        self._values = self._allocate(value_states, capacity)
         self.is_initialized = True
 
-    def _allocate(self, like: torch.Tensor, capacity: int) -> torch.Tensor:
-        _, heads, _, dim = like.shape
-        return like.new_zeros((self.owner.max_slots, heads, capacity, dim))
+    def capacity(self, slot: int) -> int:
+        keys = self._keys[slot]
+        return 0 if keys is None else int(keys.shape[1])
 
-    def _grow(self, needed: int) -> None:
-        capacity = max(needed, 2 * self._keys.shape[2])
-        keys = self._allocate(self._keys, capacity)
-        values = self._allocate(self._values, capacity)
-        old = self._keys.shape[2]
-        keys[:, :, :old] = self._keys
-        values[:, :, :old] = self._values
-        self._keys, self._values = keys, values
+    def _ensure(
+        self, slot: int, needed: int, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's buffers, grown to hold ``needed`` positions: doubling, but not past the
+        slot's reservation unless a pass needs more."""
+        keys, values = self._keys[slot], self._values[slot]
+        if keys is not None and values is not None and needed <= keys.shape[1]:
+            return keys, values
+        limit = self.owner.reserved[slot] or None
+        old = 0 if keys is None else int(keys.shape[1])
+        grown = max(INITIAL_CAPACITY, 2 * old)
+        capacity = max(needed, grown if limit is None else min(grown, limit))
+        heads, dim = like.shape[1], like.shape[3]
+        # Zeros, not empty: attention multiplies masked positions' values by 0, and an
+        # uninitialised NaN would survive that.
+        new_keys = like.new_zeros((heads, capacity, dim))
+        new_values = like.new_zeros((heads, capacity, dim))
+        if keys is not None and values is not None:
+            new_keys[:, :old] = keys
+            new_values[:, :old] = values
+        self._keys[slot], self._values[slot] = new_keys, new_values
+        return new_keys, new_values
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -101,57 +103,53 @@ class SlotLayer(DynamicLayer):
         batch = self.owner.batch
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        needed = max(batch.kv_length, int(batch.write_index.max()) + 1)
-        if needed > self._keys.shape[2]:
-            self._grow(needed)
-        span = batch.contiguous_range()
-        length = batch.kv_length
-        run = batch.single_run()
-        if span is not None and run is not None:
-            lo, hi = span
-            start, rows = run
-            self._keys[lo:hi, :, start : start + rows] = key_states
-            self._values[lo:hi, :, start : start + rows] = value_states
-            self.keys, self.values = self._keys[lo:hi, :, :length], self._values[lo:hi, :, :length]
-            return self.keys, self.values
-        if span is not None:
-            lo, hi = span
-            keys, values = self._keys[lo:hi], self._values[lo:hi]
-            index = batch.write_index[:, None, :, None].expand_as(key_states)
-            keys.scatter_(2, index, key_states)
-            values.scatter_(2, index, value_states)
-            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
-            return self.keys, self.values
-        slots = torch.tensor(batch.slots, device=self._keys.device)
-        heads = torch.arange(key_states.shape[1], device=self._keys.device)
-        where = (slots[:, None, None], heads[None, :, None], batch.write_index[:, None, :])
-        self._keys.index_put_(where, key_states)
-        self._values.index_put_(where, value_states)
-        self.keys = self._keys[slots, :, :length]
-        self.values = self._values[slots, :, :length]
-        return self.keys, self.values
+        rows, length = batch.rows, batch.kv_length
+        stored: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        for b, (slot, start) in enumerate(zip(batch.slots, batch.starts, strict=True)):
+            keys, values = self._ensure(slot, start + rows, key_states)
+            keys[:, start : start + rows] = key_states[b]
+            values[:, start : start + rows] = value_states[b]
+            stored.append((keys, values, start + rows))
+        if len(stored) == 1:
+            keys, values, end = stored[0]
+            return keys[None, :, :end], values[None, :, :end]
+        # Not kept on the layer (DynamicLayer's keys/values): a padded copy per layer would
+        # outlive the pass, which is the memory per-slot growth saves.
+        shape = (len(stored), key_states.shape[1], length, key_states.shape[3])
+        gathered_keys, gathered_values = key_states.new_empty(shape), value_states.new_empty(shape)
+        for b, (keys, values, end) in enumerate(stored):
+            gathered_keys[b, :, :end] = keys[:, :end]
+            gathered_values[b, :, :end] = values[:, :end]
+            if end < length:  # never attended, but must be finite (see ``_ensure``)
+                gathered_keys[b, :, end:] = 0
+                gathered_values[b, :, end:] = 0
+        return gathered_keys, gathered_values
 
     def get_seq_length(self) -> int:
         return self.owner.batch.kv_length if self.is_initialized else 0
 
     def move(self, slot: int, source: list[int], target: list[int]) -> None:
         """Within ``slot``, copy the entries at ``source`` indices to ``target`` indices."""
-        if not self.is_initialized or not source:
+        keys, values = self._keys[slot], self._values[slot]
+        if keys is None or values is None or not source:
             return
-        src = torch.tensor(source, device=self._keys.device)
-        dst = torch.tensor(target, device=self._keys.device)
-        for buffer in (self._keys, self._values):
-            buffer[slot, :, dst] = buffer[slot, :, src]
+        src = torch.tensor(source, device=keys.device)
+        dst = torch.tensor(target, device=keys.device)
+        for buffer in (keys, values):
+            buffer[:, dst] = buffer[:, src]
 
-    def copy_slot(self, source: int, target: int, length: int) -> None:
-        if self.is_initialized and length:
-            self._keys[target, :, :length] = self._keys[source, :, :length]
-            self._values[target, :, :length] = self._values[source, :, :length]
+    def move_slot(self, source: int, target: int) -> None:
+        self._keys[target], self._values[target] = self._keys[source], self._values[source]
+        self._keys[source] = self._values[source] = None
+
+    def release(self, slot: int) -> None:
+        self._keys[slot] = self._values[slot] = None
 
     def reset(self) -> None:
         self.is_initialized = False
         self.keys = self.values = None
-        self._keys = self._values = torch.empty(0)
+        self._keys = [None] * self.owner.max_slots
+        self._values = [None] * self.owner.max_slots
 
 
 class SlotCache(DynamicCache):
@@ -162,7 +160,9 @@ class SlotCache(DynamicCache):
         if not supports_batching(config):
             raise ValueError("the model has layers the slot cache cannot batch")
         self.max_slots = max_slots
-        self.batch = SlotBatch([0], torch.zeros((1, 1), dtype=torch.long), 0)
+        # Per slot, the most positions its buffers grow to by doubling (0: no bound).
+        self.reserved = [0] * max_slots
+        self.batch = SlotBatch([0], [0], 1, 0)
         count = len(self.layers) or config.num_hidden_layers
         self.layers = [SlotLayer(self) for _ in range(count)]
         self.layer_class_to_replicate = None
@@ -174,10 +174,26 @@ class SlotCache(DynamicCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.batch.kv_length
 
+    def allocated_positions(self) -> int:
+        """Positions allocated over every slot (per layer; keys and values alike)."""
+        layers = self.slot_layers
+        return sum(layers[0].capacity(slot) for slot in range(self.max_slots)) if layers else 0
+
+    def reserve(self, slot: int, positions: int) -> None:
+        """Bound the slot's growth to ``positions`` (a pass that needs more still gets it)."""
+        self.reserved[slot] = positions
+
     def move(self, slot: int, source: list[int], target: list[int]) -> None:
         for layer in self.slot_layers:
             layer.move(slot, source, target)
 
-    def copy_slot(self, source: int, target: int, length: int) -> None:
+    def move_slot(self, source: int, target: int) -> None:
         for layer in self.slot_layers:
-            layer.copy_slot(source, target, length)
+            layer.move_slot(source, target)
+        self.reserved[target], self.reserved[source] = self.reserved[source], 0
+
+    def release(self, slot: int) -> None:
+        """Free the slot's buffers and its reservation."""
+        for layer in self.slot_layers:
+            layer.release(slot)
+        self.reserved[slot] = 0
