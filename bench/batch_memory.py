@@ -66,16 +66,16 @@ def main() -> None:
     heads = config.num_key_value_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_position = 2 * config.num_hidden_layers * heads * dim * model.dtype.itemsize
-    layer = runner.cache.slot_layers[0]
-    allocated = runner.cache.allocated_positions()
+    cache = runner.cache
+    allocated = cache.allocated_positions()
     result = {
         "dtype": args.dtype,
         "slots": args.slots,
         "prompt_tokens": {"long": args.long_tokens, "short": args.short_tokens},
         "allocated_positions": allocated,
         "allocated_mib": round(allocated * per_position / 2**20, 1),
-        "short_slot_positions": layer.capacity(1),
-        "long_slot_positions": layer.capacity(0),
+        "short_slot_positions": cache.capacity(1),
+        "long_slot_positions": cache.capacity(0),
         "bytes_per_position": per_position,
         "decode_pass_ms_all_slots": round(decode_seconds(runner, list(range(args.slots))) * 1e3, 2),
         "decode_pass_ms_short_slots": round(

@@ -97,7 +97,7 @@ class BatchedRunner:
                 mask[b, 0, :n, start : start + n] = ancestor_mask(feed.parents)
             positions[b, n:] = start
             mask[b, 0, n:, start] = True  # padding rows: see row 0, never read
-        self.cache.batch = SlotBatch([feed.slot for feed in feeds], starts, rows, kv_length)
+        self.cache.prepare(SlotBatch([feed.slot for feed in feeds], starts, rows, kv_length))
         attention = mask.to(self.device)
         if not self._bool_mask:
             floor = torch.finfo(self.model.dtype).min

@@ -38,16 +38,20 @@ def _chunks(tokens: list[int], size: int) -> Iterator[list[int]]:
 def test_a_long_prompt_grows_only_its_own_slot(target: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     batched = BatchedRunner(model, 4)
+    cache = batched.cache
     long_prompt = [3 + (i * 7) % 300 for i in range(3 * INITIAL_CAPACITY + 10)]
     shorts = [[5 + s, 6, 7, 8, 9] for s in range(3)]
+    short_reservation = reservation(5, 8)
+    batched.forward([Feed(0, long_prompt[:50])], last_only=True)  # its first extent
     for slot, prompt in enumerate(shorts, start=1):
-        batched.reserve(slot, reservation(len(prompt), 8))
+        batched.reserve(slot, short_reservation)
         batched.forward([Feed(slot, prompt[:-1])], last_only=True)
-    for chunk in _chunks(long_prompt[:-1], 100):  # slot 0 has no reservation: it doubles
+    # Slot 0 has no reservation: it doubles, past the short extents (packed, moved up).
+    for chunk in _chunks(long_prompt[50:-1], 100):
         batched.forward([Feed(0, chunk)], last_only=True)
-    layer = batched.cache.slot_layers[0]
-    assert layer.capacity(0) >= len(long_prompt)
-    assert [layer.capacity(slot) for slot in (1, 2, 3)] == [reservation(5, 8)] * 3
+    assert cache.capacity(0) >= len(long_prompt)
+    assert [cache.capacity(slot) for slot in (1, 2, 3)] == [short_reservation] * 3
+    assert cache.allocated_positions() == cache.capacity(0) + 3 * short_reservation
     # One shared pass over all four: each sequence's logits are its own alone.
     shared = batched.forward(
         [Feed(0, [long_prompt[-1], 11, 12]), *(Feed(s, [p[-1]]) for s, p in enumerate(shorts, 1))]
@@ -58,10 +62,15 @@ def test_a_long_prompt_grows_only_its_own_slot(target: Path) -> None:
         rows = [prompt[-1], 11, 12] if slot == 0 else [prompt[-1]]
         expected = alone.forward(rows)
         torch.testing.assert_close(shared[slot], expected, rtol=0, atol=1e-4)
-    total = batched.cache.allocated_positions()
-    assert total == layer.capacity(0) + 3 * reservation(5, 8)
+    # The long prompt's extent is free space once it leaves: new requests take it.
+    size = cache.allocated_positions()
     batched.release(0)
-    assert batched.cache.allocated_positions() == 3 * reservation(5, 8)
+    for prompt in shorts:
+        batched.release(1)
+        batched.reserve(1, short_reservation)
+        batched.forward([Feed(1, prompt[:-1])], last_only=True)
+        batched.forward([Feed(0, prompt[:-1])], last_only=True)
+    assert cache.allocated_positions() == size
 
 
 def test_moving_a_slot_moves_its_cache(target: Path) -> None:
@@ -70,7 +79,7 @@ def test_moving_a_slot_moves_its_cache(target: Path) -> None:
     prompt = [40, 41, 42, 43, 44, 45]
     batched.forward([Feed(2, prompt[:-1])], last_only=True)
     batched.move_slot(2, 0)
-    assert batched.cache.slot_layers[0].capacity(2) == 0
+    assert batched.cache.capacity(2) == 0
     alone.forward(prompt[:-1], last_only=True)
     moved = batched.forward([Feed(0, prompt[-1:])])[0]
     torch.testing.assert_close(moved, alone.forward(prompt[-1:]), rtol=0, atol=1e-4)
