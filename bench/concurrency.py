@@ -15,8 +15,11 @@ Then the head-of-line check: one short request sent while a prompt of
 ``--long-prompt-tokens`` tokens is being prefilled; its time to first token. Points run in
 one process, side by side; the 1-minute load average is reported with them.
 
-Another server (vLLM's OpenAI server on the same weights, #16's backend) plugs in with
-``--base-url URL --api-key KEY --model NAME``: the same clients, the same mix, no local app.
+``--vllm`` also starts vLLM's CPU build (``bench.vllm_server``, from ``.venv-vllm``) on the
+target's weights and runs the same clients over the same mix against it, plain decoding, in
+the same run after the local sweep: points with ``"server": "vllm"`` beside the local ones.
+Another server plugs in instead of the local app with ``--base-url URL --api-key KEY --model
+NAME``.
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ from pathlib import Path
 import httpx
 
 from bench.gateway_overhead import serving
+from bench.vllm_server import VllmServer
 from bench.workload import BUILTIN_DIR
+from engine.demo.paths import default_demo_dir
 from gateway.settings import load_settings
 
 
 @dataclass
 class Point:
+    server: str
     method: str
     clients: int
     requests: int
@@ -105,6 +111,7 @@ def _p(values: list[float], q: int) -> float:
 
 async def sweep_point(
     client: httpx.AsyncClient,
+    server: str,
     model: str,
     method: str,
     clients: int,
@@ -126,6 +133,7 @@ async def sweep_point(
     latencies = [t.latency_s for t in results]
     ttfts = [t.ttft_s for t in results]
     return Point(
+        server=server,
         method=method,
         clients=clients,
         requests=len(results),
@@ -177,31 +185,78 @@ async def crossovers(client: httpx.AsyncClient) -> dict[str, float | str]:
     return found
 
 
-async def run(
-    args: argparse.Namespace, base_url: str, api_key: str, model: str
-) -> dict[str, object]:
-    headers = {"authorization": f"Bearer {api_key}"}
+@dataclass(frozen=True)
+class Server:
+    """An OpenAI server to sweep: its label in the report, where it listens, what it serves."""
+
+    name: str
+    base_url: str
+    api_key: str
+    model: str
+
+
+def client_for(server: Server) -> httpx.AsyncClient:
+    headers = {"authorization": f"Bearer {server.api_key}"}
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(
-        base_url=base_url, headers=headers, timeout=600, limits=limits
-    ) as client:
-        await one_request(client, model, chat_mix()[0], "none", 4)  # warm-up
-        points = []
-        for method in args.methods.split(","):
-            for clients in (int(c) for c in args.clients.split(",")):
+    return httpx.AsyncClient(
+        base_url=server.base_url, headers=headers, timeout=600, limits=limits
+    )
+
+
+async def sweep(args: argparse.Namespace, server: Server, methods: list[str]) -> list[Point]:
+    points = []
+    async with client_for(server) as client:
+        await one_request(client, server.model, chat_mix()[0], methods[0], 4)  # warm-up
+        # Methods inner: each number of clients runs every method back to back, so their
+        # ratio is measured side by side on a machine whose load drifts.
+        for clients in (int(c) for c in args.clients.split(",")):
+            for method in methods:
                 point = await sweep_point(
-                    client, model, method, clients, args.requests_per_client, args.max_tokens
+                    client,
+                    server.name,
+                    server.model,
+                    method,
+                    clients,
+                    args.requests_per_client,
+                    args.max_tokens,
                 )
                 print(json.dumps(asdict(point)), flush=True)
-                points.append(asdict(point))
+                points.append(point)
+    return points
+
+
+async def run(args: argparse.Namespace, server: Server) -> dict[str, object]:
+    """The sweep of ``server`` (every ``--methods``), its crossovers and head-of-line check."""
+    points = await sweep(args, server, args.methods.split(","))
+    async with client_for(server) as client:
         crossover = await crossovers(client)
-        ttft = await head_of_line(client, model, args.long_prompt_tokens)
+        ttft = await head_of_line(client, server.model, args.long_prompt_tokens)
     return {
         "load_average_1m": round(os.getloadavg()[0], 2),
-        "points": points,
+        "points": [asdict(point) for point in points],
         "speculation_crossover_batch_size": crossover,
         "short_request_ttft_behind_long_prompt_s": ttft,
         "long_prompt_tokens": args.long_prompt_tokens,
+    }
+
+
+def vllm_sweep(args: argparse.Namespace, target: Path, scratch: Path) -> dict[str, object]:
+    """vLLM's CPU build on ``target``'s weights, the same clients and mix, plain decoding."""
+    server = VllmServer(target, "bench-vllm", scratch / "vllm.log")
+    if args.port:  # the port after the local app's
+        server.port = args.port + 1
+    server.start()
+    try:
+        server.wait_ready()
+        remote = Server("vllm", server.url, "none", "bench-vllm")
+        points = asyncio.run(sweep(args, remote, ["default"]))
+    finally:
+        server.stop()
+    return {
+        "vllm_command": " ".join(server.command()[1:]),
+        "vllm_startup_s": round(server.startup_s, 1),
+        "vllm_load_average_1m": round(os.getloadavg()[0], 2),
+        "vllm_points": [asdict(point) for point in points],
     }
 
 
@@ -217,7 +272,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--long-prompt-tokens", type=int, default=2000)
     parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--port", type=int, default=0, help="port of the local app (0: any)")
+    parser.add_argument(
+        "--port", type=int, default=0, help="port of the local app, vLLM's the next (0: any)"
+    )
+    parser.add_argument(
+        "--vllm", action="store_true", help="also sweep vLLM's CPU build on the same weights"
+    )
     parser.add_argument("--base-url", help="bench another OpenAI server instead (e.g. vLLM)")
     parser.add_argument("--api-key", default="none")
     parser.add_argument("--model", help="model name on --base-url")
@@ -225,7 +285,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.base_url:
-        result = asyncio.run(run(args, args.base_url, args.api_key, args.model))
+        result = asyncio.run(run(args, Server("remote", args.base_url, args.api_key, args.model)))
     else:
         with tempfile.TemporaryDirectory(prefix="specgate-concurrency-") as scratch:
             settings = load_settings(
@@ -241,8 +301,11 @@ def main() -> None:
             with serving(settings, args.port) as (base_url, services):
                 _, api_key = services.keys.create("app", "bench-concurrency", "bench")
                 model = services.backend.card.model_name
-                result = asyncio.run(run(args, base_url, api_key, model))
+                result = asyncio.run(run(args, Server("specgate", base_url, api_key, model)))
                 services.keys.revoke("bench-concurrency", "bench")
+            if args.vllm:  # after the local app has stopped: the two never share the cores
+                target = args.target or default_demo_dir() / "target"
+                result |= vllm_sweep(args, target, Path(scratch))
     print(json.dumps(result, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -102,9 +102,10 @@ class BatchSpeculation:
         adaptive = [
             i for i, c in enumerate(candidates) if c is not None and c.forced is None and c.cap > 0
         ]
-        if k > 0 or batch == 1:
-            # After a fully accepted step a sequence looks one token further (as alone); in a
-            # batch only while speculating pays at all, since it widens everyone's pass.
+        if k > 0:
+            # After a fully accepted step a sequence looks one token further (as alone), only
+            # while speculating pays at all: a probe's lucky token must not buy a wider step
+            # the cost model has just priced out (at batch 1 as in a batch).
             for i in adaptive:
                 length = _length(sequences[i])
                 if length.explore_from:

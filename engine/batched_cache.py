@@ -1,21 +1,27 @@
-"""A KV cache for many sequences at once: one padded buffer per layer, one slot per sequence.
+"""A KV cache for many sequences at once: one arena per layer, one extent of it per sequence.
 
-Each full-attention layer keeps ``[slots, kv_heads, capacity, head_dim]`` keys and values
-(capacity doubled when a pass needs more). Before a pass the runner says which slots take
-part and at which storage index each fed row lands (``SlotBatch``); the layer writes the
-new keys there (one slice copy when the whole batch writes one run, a scatter otherwise)
-and hands attention a view of the participating slots' first ``kv_length`` positions.
-Which of those positions a row may see is the attention mask's business, so a
-sequence's length is only a number in the runner: rollback is O(1) (lower the number), and
-keeping a tree's accepted path copies only the accepted entries (``keep_path``).
+Each full-attention layer keeps its keys and values in an arena, ``[kv_heads, positions,
+head_dim]``; every slot (one running sequence) owns one contiguous extent of it, the same
+offsets in every layer (``SlotCache`` keeps them). An extent grows on its own, by doubling
+up to what the slot was reserved (``reserve``: the request's prompt + max_tokens + one
+step's rows), into free space of the arena; a released slot's extent is free again, and when
+no free run is long enough the live extents are packed to the front first. So a short
+request beside a long prompt keeps a short extent, and the arena holds the sum of the
+running sequences' extents, not slots x the longest (the layout before this one kept one
+buffer over every slot, as long as the longest: one 2,000-token prompt made all 16 slots
+2,048 positions long while it ran).
 
-Why padded slots and not pages: on CPU, PyTorch's SDPA reads one contiguous key/value
-tensor per sequence; a paged cache would have to gather its pages into one in every layer
-of every pass, a copy of the whole live cache per step, which is what the growable cache
-was written to avoid. The price of padding is memory (every slot has the capacity of the
-longest) and attention over the longest slot's length with the rest masked; both are small
-beside the weights at the batch sizes two cores can serve. A paged cache pays where memory,
-not bandwidth, bounds the batch (accelerators with a paged-attention kernel).
+A pass (``prepare``, then the model) writes every fed row with one ``index_copy_`` per
+layer and tensor; attention gets, for one sequence, a view of its extent (no copy) and, for
+several, the batch's prefixes gathered with one ``index_select`` into a transient padded
+``[batch, kv_heads, kv_length, head_dim]`` tensor (PyTorch's CPU SDPA takes one tensor over
+the batch). That gather is what per-sequence memory costs against a padded buffer over
+every slot: a copy of the batch's live keys and values per layer per step, by index (a few
+kernels per layer whatever the batch size; ``bench.batch_pass_costs`` measures it). Which
+positions a row may see is the attention mask's business, so a sequence's length is only a
+number in the runner: rollback is O(1) (lower the number), keeping a tree's accepted path
+copies only the accepted entries (``move``), and moving a sequence to another slot moves
+its extent's offset (``move_slot``).
 
 Only layers of plain full attention are batched; a model with sliding-window, chunked or
 recurrent layers is served one sequence at a time (``supports_batching``).
@@ -23,7 +29,7 @@ recurrent layers is served one sequence at a time (``supports_batching``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,126 +49,118 @@ def supports_batching(config: PretrainedConfig) -> bool:
 
 @dataclass
 class SlotBatch:
-    """The slots of one pass: rows ``b`` of the batch use slot ``slots[b]``, fed row ``t``
-    is stored at index ``write_index[b, t]``, and attention sees ``kv_length`` positions."""
+    """The slots of one pass: batch row ``b`` uses slot ``slots[b]``, its ``rows`` fed rows
+    (padding included) are stored from index ``starts[b]`` of its extent, and attention sees
+    ``kv_length`` positions (the longest prefix plus the rows)."""
 
     slots: list[int]
-    write_index: torch.Tensor  # [batch, rows] long
+    starts: list[int]
+    rows: int
     kv_length: int
-    # Where each row's fed rows start when every row writes one run of indices (the runner's
-    # passes always do): a slice copy, several times cheaper than a scatter for one row.
-    starts: list[int] | None = None
+    # Set by ``SlotCache.prepare``: arena positions of every fed row, ``[batch * rows]``, and
+    # of every position attention reads, ``[batch * kv_length]`` (past a sequence's own end,
+    # its last position again: masked, but finite).
+    write_index: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    read_index: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
-    def single_run(self) -> tuple[int, int] | None:
-        """(start, rows) when the whole batch writes one run at one start: a slice copy."""
-        if self.starts is None or any(start != self.starts[0] for start in self.starts):
-            return None
-        return self.starts[0], int(self.write_index.shape[1])
 
-    def contiguous_range(self) -> tuple[int, int] | None:
-        first = self.slots[0]
-        if self.slots == list(range(first, first + len(self.slots))):
-            return first, first + len(self.slots)
-        return None
+@dataclass(frozen=True)
+class Relocation:
+    """Arena positions ``[source, source + length)`` copied to ``[target, target + length)``."""
+
+    source: int
+    target: int
+    length: int
 
 
 class SlotLayer(DynamicLayer):
-    """One attention layer's keys and values for every slot of a ``SlotCache``."""
+    """One attention layer's arena of keys and values, laid out by its ``SlotCache``."""
 
     def __init__(self, cache: SlotCache) -> None:
         super().__init__()
         self.owner = cache
-        self._keys = torch.empty(0)
-        self._values = torch.empty(0)
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        capacity = max(INITIAL_CAPACITY, self.owner.batch.kv_length)
-        self._keys = self._allocate(key_states, capacity)
-        self._values = self._allocate(value_states, capacity)
         self.is_initialized = True
 
-    def _allocate(self, like: torch.Tensor, capacity: int) -> torch.Tensor:
-        _, heads, _, dim = like.shape
-        return like.new_zeros((self.owner.max_slots, heads, capacity, dim))
-
-    def _grow(self, needed: int) -> None:
-        capacity = max(needed, 2 * self._keys.shape[2])
-        keys = self._allocate(self._keys, capacity)
-        values = self._allocate(self._values, capacity)
-        old = self._keys.shape[2]
-        keys[:, :, :old] = self._keys
-        values[:, :, :old] = self._values
-        self._keys, self._values = keys, values
+    def _arenas(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[torch.Tensor]:
+        """The arenas at the cache's size, with this pass's relocations applied."""
+        size = self.owner.positions
+        arenas = []
+        for arena, like in ((self._keys, key_states), (self._values, value_states)):
+            if arena is None or arena.shape[1] < size:
+                # Zeros: attention multiplies masked positions' values by 0, and an
+                # uninitialised NaN would survive that.
+                grown = like.new_zeros((like.shape[1], size, like.shape[3]))
+                if arena is not None:
+                    grown[:, : arena.shape[1]] = arena
+                arena = grown
+            for move in self.owner.relocations:
+                part = arena[:, move.source : move.source + move.length].clone()
+                arena[:, move.target : move.target + move.length] = part
+            arenas.append(arena)
+        self._keys, self._values = arenas
+        return arenas
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.owner.batch
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        needed = max(batch.kv_length, int(batch.write_index.max()) + 1)
-        if needed > self._keys.shape[2]:
-            self._grow(needed)
-        span = batch.contiguous_range()
-        length = batch.kv_length
-        run = batch.single_run()
-        if span is not None and run is not None:
-            lo, hi = span
-            start, rows = run
-            self._keys[lo:hi, :, start : start + rows] = key_states
-            self._values[lo:hi, :, start : start + rows] = value_states
-            self.keys, self.values = self._keys[lo:hi, :, :length], self._values[lo:hi, :, :length]
-            return self.keys, self.values
-        if span is not None:
-            lo, hi = span
-            keys, values = self._keys[lo:hi], self._values[lo:hi]
-            index = batch.write_index[:, None, :, None].expand_as(key_states)
-            keys.scatter_(2, index, key_states)
-            values.scatter_(2, index, value_states)
-            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
-            return self.keys, self.values
-        slots = torch.tensor(batch.slots, device=self._keys.device)
-        heads = torch.arange(key_states.shape[1], device=self._keys.device)
-        where = (slots[:, None, None], heads[None, :, None], batch.write_index[:, None, :])
-        self._keys.index_put_(where, key_states)
-        self._values.index_put_(where, value_states)
-        self.keys = self._keys[slots, :, :length]
-        self.values = self._values[slots, :, :length]
-        return self.keys, self.values
+        batch = self.owner.batch
+        size, rows, length = len(batch.slots), batch.rows, batch.kv_length
+        out = []
+        arenas = self._arenas(key_states, value_states)
+        for arena, states in zip(arenas, (key_states, value_states), strict=True):
+            heads, dim = states.shape[1], states.shape[3]
+            fed = states.transpose(0, 1).reshape(heads, size * rows, dim)
+            arena.index_copy_(1, batch.write_index, fed)
+            if size == 1:
+                offset = self.owner.offset(batch.slots[0])
+                out.append(arena[None, :, offset : offset + length])
+            else:
+                gathered = arena.index_select(1, batch.read_index)
+                out.append(gathered.view(heads, size, length, dim).transpose(0, 1))
+        return out[0], out[1]
 
     def get_seq_length(self) -> int:
         return self.owner.batch.kv_length if self.is_initialized else 0
 
-    def move(self, slot: int, source: list[int], target: list[int]) -> None:
-        """Within ``slot``, copy the entries at ``source`` indices to ``target`` indices."""
-        if not self.is_initialized or not source:
+    def move(self, source: list[int], target: list[int]) -> None:
+        """Copy the entries at arena positions ``source`` to positions ``target``."""
+        if self._keys is None or self._values is None or not source:
             return
         src = torch.tensor(source, device=self._keys.device)
         dst = torch.tensor(target, device=self._keys.device)
-        for buffer in (self._keys, self._values):
-            buffer[slot, :, dst] = buffer[slot, :, src]
-
-    def copy_slot(self, source: int, target: int, length: int) -> None:
-        if self.is_initialized and length:
-            self._keys[target, :, :length] = self._keys[source, :, :length]
-            self._values[target, :, :length] = self._values[source, :, :length]
+        for arena in (self._keys, self._values):
+            arena[:, dst] = arena[:, src]
 
     def reset(self) -> None:
         self.is_initialized = False
         self.keys = self.values = None
-        self._keys = self._values = torch.empty(0)
+        self._keys = self._values = None
 
 
 class SlotCache(DynamicCache):
-    """transformers' cache interface over ``SlotLayer``s; ``batch`` is set before each pass."""
+    """transformers' cache interface over ``SlotLayer``s, and the extents of their arenas;
+    ``prepare`` sets the batch before each pass."""
 
     def __init__(self, config: PretrainedConfig, max_slots: int) -> None:
         super().__init__(config=config)
         if not supports_batching(config):
             raise ValueError("the model has layers the slot cache cannot batch")
         self.max_slots = max_slots
-        self.batch = SlotBatch([0], torch.zeros((1, 1), dtype=torch.long), 0)
+        self.reserved = [0] * max_slots  # most positions an extent grows to (0: no bound)
+        self._offsets: list[int | None] = [None] * max_slots
+        self._capacities = [0] * max_slots
+        self.positions = 0  # arena size, every layer alike
+        # Copies the layers make at the start of the next pass, in order (an extent moved
+        # to make room); ``prepare`` starts a new list.
+        self.relocations: list[Relocation] = []
+        self.batch = SlotBatch([0], [0], 1, 0)
         count = len(self.layers) or config.num_hidden_layers
         self.layers = [SlotLayer(self) for _ in range(count)]
         self.layer_class_to_replicate = None
@@ -174,10 +172,106 @@ class SlotCache(DynamicCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.batch.kv_length
 
-    def move(self, slot: int, source: list[int], target: list[int]) -> None:
-        for layer in self.slot_layers:
-            layer.move(slot, source, target)
+    def offset(self, slot: int) -> int:
+        offset = self._offsets[slot]
+        assert offset is not None, f"slot {slot} has no extent"
+        return offset
 
-    def copy_slot(self, source: int, target: int, length: int) -> None:
+    def capacity(self, slot: int) -> int:
+        return self._capacities[slot]
+
+    def allocated_positions(self) -> int:
+        """The arena's size in positions (per layer; keys and values alike)."""
+        return self.positions
+
+    def reserve(self, slot: int, positions: int) -> None:
+        """Bound the slot's growth to ``positions`` (a pass that needs more still gets it)."""
+        self.reserved[slot] = positions
+
+    def prepare(self, batch: SlotBatch) -> None:
+        """Give every slot of ``batch`` room for its rows and set the pass's indices."""
+        self.relocations = []
+        for slot, start in zip(batch.slots, batch.starts, strict=True):
+            if start + batch.rows > self._capacities[slot]:
+                self._grow(slot, start + batch.rows)
+        offsets = torch.tensor([self.offset(slot) for slot in batch.slots])
+        starts = torch.tensor(batch.starts)
+        rows = torch.arange(batch.rows)
+        batch.write_index = (offsets + starts)[:, None].add(rows[None, :]).reshape(-1)
+        if len(batch.slots) > 1:
+            last = starts + batch.rows - 1
+            positions = torch.minimum(torch.arange(batch.kv_length)[None, :], last[:, None])
+            batch.read_index = (offsets[:, None] + positions).reshape(-1)
+        self.batch = batch
+
+    def _grow(self, slot: int, needed: int) -> None:
+        """Room for ``needed`` positions in the slot's extent: a free run of the arena where
+        one is long enough; otherwise the extents packed to the front and the slot's own
+        widened in place (those behind it moved up), the arena grown only by what is still
+        missing. So the arena never holds more than the extents' sum."""
+        old, limit = self._capacities[slot], self.reserved[slot]
+        doubled = max(INITIAL_CAPACITY, 2 * old)
+        capacity = max(needed, min(doubled, limit) if limit else doubled)
+        source = self._offsets[slot]
+        target = self._free_run(capacity)
+        if target is not None:
+            if source is not None and old:
+                self.relocations.append(Relocation(source, target, old))
+        else:
+            self._pack()
+            target = self._end() if source is None else self.offset(slot)
+            widen = capacity - old
+            behind = [extent for extent in self._live() if extent[0] > target]
+            for offset, length, other in reversed(behind):  # the last first: none overwritten
+                self.relocations.append(Relocation(offset, offset + widen, length))
+                self._offsets[other] = offset + widen
+        self._offsets[slot], self._capacities[slot] = target, capacity
+        self.positions = max(self.positions, self._end())
+
+    def _live(self) -> list[tuple[int, int, int]]:
+        """(offset, capacity, slot) of every extent, by offset."""
+        return sorted(
+            (offset, self._capacities[slot], slot)
+            for slot, offset in enumerate(self._offsets)
+            if offset is not None
+        )
+
+    def _end(self) -> int:
+        return max((offset + capacity for offset, capacity, _ in self._live()), default=0)
+
+    def _free_run(self, size: int) -> int | None:
+        """The first free run of ``size`` positions within the arena, or None."""
+        cursor = 0
+        for offset, capacity, _ in self._live():
+            if offset - cursor >= size:
+                return cursor
+            cursor = max(cursor, offset + capacity)
+        return cursor if self.positions - cursor >= size else None
+
+    def _pack(self) -> None:
+        """Move every extent to the front, in order (each moves toward lower positions, so
+        copying in that order never overwrites an extent not yet moved)."""
+        cursor = 0
+        for offset, capacity, slot in self._live():
+            if offset != cursor:
+                self.relocations.append(Relocation(offset, cursor, capacity))
+                self._offsets[slot] = cursor
+            cursor += capacity
+
+    def move(self, slot: int, source: list[int], target: list[int]) -> None:
+        """Within ``slot``, copy the entries at ``source`` indices to ``target`` indices."""
+        offset = self.offset(slot)
         for layer in self.slot_layers:
-            layer.copy_slot(source, target, length)
+            layer.move([offset + i for i in source], [offset + i for i in target])
+
+    def move_slot(self, source: int, target: int) -> None:
+        """The sequence in ``source`` is in ``target`` now (which must be free)."""
+        self._offsets[target], self._offsets[source] = self._offsets[source], None
+        self._capacities[target], self._capacities[source] = self._capacities[source], 0
+        self.reserved[target], self.reserved[source] = self.reserved[source], 0
+
+    def release(self, slot: int) -> None:
+        """The slot's extent is free space again; its reservation goes."""
+        self._offsets[slot] = None
+        self._capacities[slot] = 0
+        self.reserved[slot] = 0

@@ -97,10 +97,7 @@ class BatchedRunner:
                 mask[b, 0, :n, start : start + n] = ancestor_mask(feed.parents)
             positions[b, n:] = start
             mask[b, 0, n:, start] = True  # padding rows: see row 0, never read
-        write = torch.tensor(starts)[:, None] + torch.arange(rows)[None, :]
-        self.cache.batch = SlotBatch(
-            [feed.slot for feed in feeds], write.to(self.device), kv_length, starts
-        )
+        self.cache.prepare(SlotBatch([feed.slot for feed in feeds], starts, rows, kv_length))
         attention = mask.to(self.device)
         if not self._bool_mask:
             floor = torch.finfo(self.model.dtype).min
@@ -162,9 +159,15 @@ class BatchedRunner:
     @torch.inference_mode()
     def move_slot(self, source: int, target: int) -> None:
         """Move a sequence's cache from ``source`` to ``target`` (slot compaction)."""
-        self.cache.copy_slot(source, target, self.lengths[source])
+        self.cache.move_slot(source, target)
         self.lengths[target] = self.lengths[source]
         self.lengths[source] = 0
 
     def release(self, slot: int) -> None:
+        """The slot is empty: its cache memory and reservation go."""
+        self.cache.release(slot)
         self.lengths[slot] = 0
+
+    def reserve(self, slot: int, positions: int) -> None:
+        """The most positions the slot's cache grows to (``SlotCache.reserve``)."""
+        self.cache.reserve(slot, positions)

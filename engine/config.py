@@ -158,9 +158,10 @@ class EngineConfig(BaseModel):
     max_kv_tokens: int | None = Field(
         default=None,
         ge=1,
-        description="KV budget in cached positions over all slots; every slot is padded to "
-        "the longest reservation (prompt + max_tokens) in the batch. None: no bound beyond "
-        "max_num_seqs x the context window.",
+        description="KV budget in cached positions over all slots: a request is admitted "
+        "while the running requests' reservations (prompt + max_tokens + one step's rows "
+        "each; every slot's cache grows on its own up to its reservation) and its own fit. "
+        "None: no bound beyond max_num_seqs x the context window.",
     )
     served_model_name: str | None = None
     translate_draft_tokens: bool = Field(

@@ -2,7 +2,8 @@
 
 Each iteration of ``BatchScheduler.run``:
 1. admits waiting requests while there is a free slot (``max_num_seqs``) and the KV budget
-   holds the padded cache (every slot is as long as the longest: slots x longest reservation);
+   holds every running sequence's reservation (``reservation``: each slot's cache grows on
+   its own, up to it, ``engine.batched_cache``);
 2. prefills the prompts that this step finishes, the shortest remainder first, within what
    the step's token budget (``max_num_batched_tokens``) leaves after the decoding sequences'
    rows, one chunk of at most ``long_prefill_token_threshold`` tokens per prompt;
@@ -49,6 +50,16 @@ if TYPE_CHECKING:
 
 _tracer = trace.get_tracer("specgate.engine")
 
+# The most rows a decode pass feeds one sequence: its last token and at most 16 proposal
+# nodes (``max_speculative_tokens`` and ``num_speculative_tokens`` are at most 16), padding
+# included; a pass near the end of a request writes that far past its committed tokens.
+MAX_STEP_ROWS = 17
+
+
+def reservation(prompt_tokens: int, max_tokens: int) -> int:
+    """KV positions a request's slot may need: its prompt, its output and one step's rows."""
+    return prompt_tokens + max_tokens + MAX_STEP_ROWS
+
 
 @dataclass
 class ActiveSequence:
@@ -61,7 +72,7 @@ class ActiveSequence:
     generator: torch.Generator
     output: OutputAssembler
     context: list[int]
-    reserved: int  # KV positions this request may need: prompt + max_tokens
+    reserved: int  # KV positions this request may need (``reservation``)
     processing: LogitsProcessing | None = None
     recorder: LogprobRecorder | None = None
     slot: int = -1
@@ -100,7 +111,7 @@ class ActiveSequence:
 class BatchLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_kv_tokens: int | None  # padded positions over all slots; None: max_num_seqs x context
+    max_kv_tokens: int | None  # reserved positions over all slots; None: no bound
     long_prefill_token_threshold: int  # most prompt tokens one sequence prefills per step
     # Prompt chunks at fixed boundaries (multiples of the threshold), never cut to what the
     # step's budget leaves, so a prompt's prefill passes do not depend on the batch.
@@ -164,8 +175,7 @@ class BatchScheduler:
         budget = self.limits.max_kv_tokens
         if budget is None:
             return True
-        longest = max([reserved, *(seq.reserved for seq in self.running)])
-        return (len(self.running) + 1) * longest <= budget
+        return reserved + sum(seq.reserved for seq in self.running) <= budget
 
     def _admit_waiting(self) -> None:
         while self.waiting and len(self.running) < self.limits.max_num_seqs:
@@ -173,7 +183,8 @@ class BatchScheduler:
             if handle.cancelled:
                 self.waiting.popleft()
                 continue
-            needed = len(handle.request.prompt_ids) + handle.request.sampling.max_tokens
+            request = handle.request
+            needed = reservation(len(request.prompt_ids), request.sampling.max_tokens)
             if self.running and not self._fits(needed):
                 return  # waits for a sequence to leave (first come, first served)
             self.waiting.popleft()
@@ -186,6 +197,7 @@ class BatchScheduler:
                 continue
             seq.slot = len(self.running)
             self.runner.release(seq.slot)
+            self.runner.reserve(seq.slot, seq.reserved)
             seq.span = _tracer.start_span("specgate.prefill", context=handle.otel_context)
             seq.span.set_attribute("specgate.prompt_tokens", len(seq.context))
             self.running.append(seq)

@@ -44,7 +44,7 @@ from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
 from engine.packed_linear import pack_linear_weights
 from engine.proposers import Proposer
-from engine.scheduler import ActiveSequence, BatchLimits, BatchScheduler, annotate
+from engine.scheduler import ActiveSequence, BatchLimits, BatchScheduler, annotate, reservation
 from engine.types import (
     MAX_TOP_LOGPROBS,
     CompiledConstraint,
@@ -556,7 +556,7 @@ class Engine:
             generator=torch.Generator(device=self.device).manual_seed(seed),
             output=OutputAssembler(self.tokenizer, params, prompt, self._eos),
             context=list(prompt),
-            reserved=len(prompt) + params.max_tokens,
+            reserved=reservation(len(prompt), params.max_tokens),
             remaining=params.max_tokens,
             processing=self._processing(handle),
             recorder=self._recorder(params),

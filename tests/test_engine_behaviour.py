@@ -351,8 +351,12 @@ def test_speculation_length_follows_acceptance_and_cost() -> None:
     steep = costs_of(per_extra_token=0.015, draft=0.008)
     hopeless = SpeculationLength(max_k=8, prior_alpha=0.2, costs=steep, method="draft")
     assert hopeless.choose() == 0
-    # With nothing measured yet every pass costs the same, so the longest proposal wins.
-    assert SpeculationLength(8, 0.5, PassCosts(), "draft").choose() == 8
+    # With nothing measured yet every pass costs the same, so the longest proposal wins, as
+    # far as the method's runs reach: one token without evidence, eight after a run of 7.
+    unmeasured = SpeculationLength(8, 0.5, PassCosts(), "draft")
+    assert unmeasured.choose() == 1
+    unmeasured.record(7, 7)
+    assert unmeasured.choose() == 8
     assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
     assert theoretical_speedup(0.8, 4, 0.1) == pytest.approx(2.4011, abs=1e-4)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.adaptive import PassCosts, SpeculationLength
+from engine.adaptive import PassCosts, RunLengths, SpeculationLength
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill
 from engine.proposers.ngram import lookup
@@ -182,8 +182,11 @@ def test_draft_sampling_that_stops_where_the_draft_is_unsure_is_exact(engine: En
     counts: Counter[tuple[int, int]] = Counter()
     proposed: Counter[int] = Counter()
     for seed in range(SAMPLES):
-        # Nothing measured: the adaptive bound is max_k; the confidence stop shortens it.
-        length = SpeculationLength(4, 0.5, PassCosts(), "draft")
+        # Nothing measured and a method whose runs have reached 4: the adaptive bound is
+        # max_k; the confidence stop shortens it.
+        reached = RunLengths(4)
+        reached.record(4, 4)
+        length = SpeculationLength(4, 0.5, PassCosts(), "draft", reached)
         stats = GenerationStats(method="draft")
         prefill(engine._target, prompt)
         steps = decode(
