@@ -42,6 +42,7 @@ from transformers import (
 
 from engine.demo.corpus import load_corpus
 from engine.demo.prompts import DistillationPrompt, Messages, distillation_prompts
+from engine.heads.data import left_padded
 from engine.heads.vocabulary import frequent_tokens
 from engine.proposers.vocabulary import VOCABULARY_FILE
 
@@ -121,12 +122,8 @@ def target_answers(
     samples: dict[int, Sample] = {}
     for start in range(0, len(order), spec.generation_batch):
         batch = order[start : start + spec.generation_batch]
-        width = max(len(prompts[i]) for i in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, i in enumerate(batch):
-            ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-            mask[row, width - len(prompts[i]) :] = 1
+        ids, mask = left_padded([prompts[i] for i in batch], pad)
+        width = ids.shape[1]
         recorder = TopKRecorder(spec.teacher_top_k)
         out = target.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=spec.answer_tokens,

@@ -102,6 +102,17 @@ def chat_prompt_ids(
 
 
 @torch.inference_mode()
+def left_padded(prompts: Sequence[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` as one left-padded batch for ``generate``: ids and attention mask."""
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
 def greedy_answers(
     target: PreTrainedModel, prompts: list[list[int]], spec: DataSpec, eos: int | None,
     pad: int, progress: Progress, until_end: bool = True,
@@ -115,12 +126,8 @@ def greedy_answers(
     answers: dict[int, list[int]] = {}
     for start in range(0, len(order), spec.generation_batch):
         batch = order[start : start + spec.generation_batch]
-        width = max(len(prompts[i]) for i in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, i in enumerate(batch):
-            ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-            mask[row, width - len(prompts[i]) :] = 1
+        ids, mask = left_padded([prompts[i] for i in batch], pad)
+        width = ids.shape[1]
         out = target.generate(  # type: ignore[operator]
             input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
             max_new_tokens=spec.answer_tokens,
