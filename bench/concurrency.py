@@ -298,7 +298,7 @@ def main() -> None:
                 max_num_seqs=args.max_num_seqs,
                 max_queue=256,
             )
-            with serving(settings, args.port) as (base_url, services):
+            with serving(settings, port=args.port) as (base_url, services):
                 _, api_key = services.keys.create("app", "bench-concurrency", "bench")
                 model = services.backend.card.model_name
                 result = asyncio.run(run(args, Server("specgate", base_url, api_key, model)))

@@ -226,8 +226,10 @@ def percentiles(samples_s: list[float]) -> Percentiles:
 
 @contextmanager
 def serving(
-    settings: Settings, timeline: Timeline, loop: str = "auto", port: int = 0
+    settings: Settings, timeline: Timeline | None = None, loop: str = "auto", port: int = 0
 ) -> Iterator[tuple[str, Services]]:
+    """The app served by uvicorn on 127.0.0.1 in a thread of this process; with ``timeline``,
+    its requests are stamped (``bench.request_timeline``)."""
     app = create_app(settings)
     listener = socket.socket()
     # Accepted sockets inherit this; without it Nagle's algorithm meets delayed ACKs and
@@ -235,7 +237,7 @@ def serving(
     listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     listener.bind(("127.0.0.1", port))
     config = uvicorn_config(
-        stamped_app(app, timeline),  # type: ignore[arg-type]
+        app if timeline is None else stamped_app(app, timeline),  # type: ignore[arg-type]
         settings,
         log_level="warning",
         loop=loop,
