@@ -33,24 +33,3 @@ def check_heads_kind(method: Literal["medusa", "eagle"], heads_dir: Path) -> Non
             f"speculative.method {method!r} needs {method} heads, but {heads_dir} holds "
             f"{held} heads"
         )
-
-
-def check_heads_fit(
-    label: str, heads_dir: Path, trained_on: str | None, sizes: tuple[int, int],
-    target: tuple[str, int, int], train_command: str,
-) -> None:
-    """Refuse heads (``label``: how the message names them) trained on another version of the
-    target, or for another hidden size and vocabulary (``sizes``), naming both sides;
-    ``target`` is the loaded target's (version, hidden size, vocabulary size)."""
-    version, hidden_size, vocab_size = target
-    if trained_on is not None and trained_on != version:
-        raise HeadsMismatchError(
-            f"{label} in {heads_dir} were trained on target version {trained_on}, but the "
-            f"target loaded is version {version}; train heads for this target "
-            f"({train_command})"
-        )
-    if sizes != (hidden_size, vocab_size):
-        raise HeadsMismatchError(
-            f"{label} in {heads_dir} are for hidden size {sizes[0]} and vocabulary "
-            f"{sizes[1]}; the target has {hidden_size} and {vocab_size}"
-        )

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.heads import check_heads_fit
 from engine.heads.medusa import CONFIG_FILE, WEIGHTS_FILE, HeadsMismatchError
 from engine.heads.vocabulary import (
     DRAFT_TO_TARGET,
@@ -397,11 +396,18 @@ def load_eagle(
     """Load an EAGLE draft for this target; one trained on another version of it is refused,
     naming both versions (its guesses would be for a model that is not running)."""
     config = read_config(heads_dir)
-    check_heads_fit(
-        "EAGLE heads", heads_dir, config.target_model_version,
-        (config.hidden_size, config.vocab_size), (target_version, hidden_size, vocab_size),
-        "specgate heads train --method eagle",
-    )
+    trained_on = config.target_model_version
+    if trained_on is not None and trained_on != target_version:
+        raise HeadsMismatchError(
+            f"EAGLE heads in {heads_dir} were trained on target version {trained_on}, but "
+            f"the target loaded is version {target_version}; train heads for this target "
+            "(specgate heads train --method eagle)"
+        )
+    if (config.hidden_size, config.vocab_size) != (hidden_size, vocab_size):
+        raise HeadsMismatchError(
+            f"EAGLE heads in {heads_dir} are for hidden size {config.hidden_size} and "
+            f"vocabulary {config.vocab_size}; the target has {hidden_size} and {vocab_size}"
+        )
     stored = load_file(str(heads_dir / WEIGHTS_FILE))
     try:
         vocabulary = vocabulary_from_tensors(stored, vocab_size, str(heads_dir))

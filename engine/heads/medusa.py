@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.heads import HeadsMismatchError, check_heads_fit
+from engine.heads import HeadsMismatchError
 from engine.heads.vocabulary import (
     DRAFT_TO_TARGET,
     TARGET_TO_DRAFT,
@@ -165,11 +165,18 @@ def load_heads(
     """Load heads for this target; heads trained on another version of it are refused,
     naming both versions (their predictions would be for a model that is not running)."""
     config = read_config(heads_dir)
-    check_heads_fit(
-        "heads", heads_dir, config.target_model_version,
-        (config.hidden_size, config.vocab_size), (target_version, hidden_size, vocab_size),
-        "specgate heads train",
-    )
+    trained_on = config.target_model_version
+    if trained_on is not None and trained_on != target_version:
+        raise HeadsMismatchError(
+            f"heads in {heads_dir} were trained on target version {trained_on}, but the "
+            f"target loaded is version {target_version}; train heads for this target "
+            "(specgate heads train)"
+        )
+    if (config.hidden_size, config.vocab_size) != (hidden_size, vocab_size):
+        raise HeadsMismatchError(
+            f"heads in {heads_dir} are for hidden size {config.hidden_size} and vocabulary "
+            f"{config.vocab_size}; the target has {hidden_size} and {vocab_size}"
+        )
     tensors = load_file(str(heads_dir / WEIGHTS_FILE))
     try:
         vocabulary = vocabulary_from_tensors(tensors, vocab_size, str(heads_dir))
