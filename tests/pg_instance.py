@@ -1,6 +1,6 @@
 """A PostgreSQL server of the test's own (initdb into a temporary directory, its own port), so
 that a test can stall it (SIGSTOP/SIGCONT), stop it and start it again without touching the
-shared server."""
+shared server; and a gateway on one, with the short database bounds the outage tests use."""
 
 from __future__ import annotations
 
@@ -8,12 +8,18 @@ import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
+import pytest
+
+from tests.api_harness import LiveGateway, gateway_settings, live_gateway
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 
@@ -98,3 +104,55 @@ class PgInstance:
         for pid in self._pids():
             os.kill(pid, signal.SIGCONT)
         time.sleep(0.1)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def running_instance() -> Iterator[PgInstance]:
+    """A started instance on a free port; resumed (if stalled), stopped and removed after."""
+    instance = PgInstance(free_port())
+    instance.init()
+    instance.start()
+    try:
+        yield instance
+    finally:
+        instance.resume()
+        instance.stop()
+        instance.remove()
+
+
+# The outage tests' bounds: a database call gives up after AUDIT_TIMEOUT_S, the spool retries
+# every 0.2 s.
+AUDIT_TIMEOUT_S = 2.0
+
+
+@contextmanager
+def gateway_on(
+    instance: PgInstance,
+    models: tuple[Path, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    **extra: object,
+) -> Iterator[LiveGateway]:
+    """A live gateway on a fresh database ``name`` of ``instance`` (settings: the outage
+    bounds, then ``extra``)."""
+    settings = gateway_settings(
+        models,
+        tmp_path_factory.mktemp(f"{name}-data"),
+        instance.create_database(name),
+        **{
+            "audit_timeout_s": AUDIT_TIMEOUT_S,
+            "db_connect_timeout_s": 2.0,
+            "db_statement_timeout_s": 2.0,
+            "spool_retry_s": 0.2,
+            **extra,
+        },
+    )
+    with live_gateway(settings, name) as live:
+        yield live

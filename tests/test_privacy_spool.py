@@ -2,8 +2,8 @@
 durable spool with its text sealed (encrypted under the subject's data key, never plaintext
 on disk), and the content row is committed with the event when the store returns.
 
-The outage tests run their own PostgreSQL (tests/pg_instance.py) on a port of this module's
-range, which they stop or stall (SIGSTOP) mid-stream.
+The outage tests run their own PostgreSQL (tests/pg_instance.py) on a free port,
+which they stop or stall (SIGSTOP) mid-stream.
 """
 
 from __future__ import annotations
@@ -31,12 +31,11 @@ from gateway.privacy.kek import KeyEncryptionKey
 from gateway.privacy.schema import privacy_content
 from gateway.privacy.store import PrivacyStore, SealedContent
 from gateway.spool import EventSpool
-from tests.api_harness import LiveGateway, gateway_settings, live_gateway
-from tests.pg_instance import PgInstance
+from tests.api_harness import LiveGateway
+from tests.pg_instance import PgInstance, gateway_on, running_instance
 from tests.tiny_models import build_pair
 
 MODEL = "target"
-PG_PORT = 16410
 CANARY = "canary-spool-8c2f-Berta-Beispiel-diagnosis"
 STREAM = {
     "model": MODEL,
@@ -50,31 +49,14 @@ STREAM = {
 
 @pytest.fixture(scope="module")
 def own_pg() -> Iterator[PgInstance]:
-    instance = PgInstance(PG_PORT)
-    instance.init()
-    instance.start()
-    try:
+    with running_instance() as instance:
         yield instance
-    finally:
-        instance.resume()
-        instance.stop()
-        instance.remove()
 
 
 @pytest.fixture(scope="module")
 def gateway(own_pg: PgInstance, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
     models = build_pair(tmp_path_factory.mktemp("spool-models"))
-    settings = gateway_settings(
-        models,
-        tmp_path_factory.mktemp("spool-data"),
-        own_pg.create_database("spool"),
-        store_content=True,
-        audit_timeout_s=2.0,
-        db_connect_timeout_s=2.0,
-        db_statement_timeout_s=2.0,
-        spool_retry_s=0.2,
-    )
-    with live_gateway(settings, "spool") as live:
+    with gateway_on(own_pg, models, tmp_path_factory, "spool", store_content=True) as live:
         yield live
 
 

@@ -32,12 +32,17 @@ from gateway.db import make_db_engine, upgrade_database
 from gateway.keys import KeyStore
 from gateway.recording import fallback_recorder
 from gateway.spool import EventSpool
-from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
-from tests.pg_instance import PgInstance
+from tests.api_harness import LiveGateway, fresh_database
+from tests.pg_instance import (
+    AUDIT_TIMEOUT_S,
+    PgInstance,
+    free_port,
+    gateway_on,
+    running_instance,
+)
 from tests.tiny_models import build_pair
 
 MODEL = "target"
-AUDIT_TIMEOUT_S = 2.0
 # A 503 must come within the audit bound plus the connect timeout's worth of slack.
 ANSWER_BOUND_S = AUDIT_TIMEOUT_S + 3.0
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
@@ -51,32 +56,15 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def own_pg() -> Iterator[PgInstance]:
-    instance = PgInstance(_free_port())
-    instance.init()
-    instance.start()
-    try:
+    with running_instance() as instance:
         yield instance
-    finally:
-        instance.resume()
-        instance.stop()
-        instance.remove()
 
 
 @pytest.fixture(scope="module")
 def gateway(
     own_pg: PgInstance, models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveGateway]:
-    url = own_pg.create_database("faults")
-    settings = gateway_settings(
-        models,
-        tmp_path_factory.mktemp("fault-data"),
-        url,
-        audit_timeout_s=AUDIT_TIMEOUT_S,
-        db_connect_timeout_s=2.0,
-        db_statement_timeout_s=2.0,
-        spool_retry_s=0.2,
-    )
-    with live_gateway(settings, "faults") as live:
+    with gateway_on(own_pg, models, tmp_path_factory, "faults") as live:
         yield live
 
 
@@ -313,12 +301,6 @@ def test_a_spool_left_by_a_crash_commits_each_event_once(pg_url: str, tmp_path: 
 # --- the process: kill -9, failed start, SIGTERM -------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _serve(
     models: tuple[Path, Path], data: Path, url: str, port: int, **env: str
 ) -> subprocess.Popen[bytes]:
@@ -370,7 +352,7 @@ def test_kill_9_then_restart_marks_the_interrupted_requests(
 ) -> None:
     with fresh_database() as (_, url):
         upgrade_database(url)
-        port = _free_port()
+        port = free_port()
         process = _serve(models, tmp_path / "data", url, port)
         try:
             _wait_ready(port, process)
@@ -414,7 +396,7 @@ def test_sigterm_ends_streams_after_the_grace_period_and_records_the_shutdown(
 ) -> None:
     with fresh_database() as (_, url):
         upgrade_database(url)
-        port = _free_port()
+        port = free_port()
         process = _serve(models, tmp_path / "data", url, port, SPECGATE_SHUTDOWN_GRACE_S="1")
         try:
             _wait_ready(port, process)

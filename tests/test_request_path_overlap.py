@@ -11,7 +11,6 @@ event commits, and sent only if the event was committed or spooled.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -25,8 +24,8 @@ from engine.service import RequestHandle
 from engine.types import GenerationRequest
 from gateway.audit.log import AuditUnavailableError
 from gateway.audit.schema import audit_events
-from tests.api_harness import LiveGateway, gateway_settings, live_gateway
-from tests.pg_instance import PgInstance
+from tests.api_harness import LiveGateway
+from tests.pg_instance import PgInstance, gateway_on, running_instance
 from tests.tiny_models import build_pair
 
 MODEL = "target"
@@ -37,40 +36,23 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max
 GREEDY = {**CHAT, "max_tokens": 12, "temperature": 0, "speculative": False}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def own_pg() -> Iterator[PgInstance]:
-    instance = PgInstance(_free_port())
-    instance.init()
-    instance.start()
-    try:
+    with running_instance() as instance:
         yield instance
-    finally:
-        instance.resume()
-        instance.stop()
-        instance.remove()
 
 
 @pytest.fixture(scope="module")
 def gateway(own_pg: PgInstance, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
     models = build_pair(tmp_path_factory.mktemp("overlap-models"))
-    settings = gateway_settings(
+    with gateway_on(
+        own_pg,
         models,
-        tmp_path_factory.mktemp("overlap-data"),
-        own_pg.create_database("overlap"),
+        tmp_path_factory,
+        "overlap",
         audit_timeout_s=AUDIT_TIMEOUT_S,
-        db_connect_timeout_s=2.0,
-        db_statement_timeout_s=2.0,
-        spool_retry_s=0.2,
         start_before_request_commit=True,
-    )
-    with live_gateway(settings, "overlap") as live:
+    ) as live:
         yield live
 
 
