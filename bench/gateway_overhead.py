@@ -9,7 +9,9 @@ the two audit commits, JSON over HTTP with a keep-alive client) and, in the same
 calls the same engine with the same prompt ids and sampling. Each round sends one request down
 each path: direct, through the gateway with the `request` event committed before the engine
 starts (``strict``), and through the gateway with the engine started while that commit is in
-flight (``overlap``, ``start_before_request_commit``); the order rotates from round to round,
+flight (``overlap``, ``start_before_request_commit``), and strict again with the two audit
+appends sent from the database pool instead of the event loop (``strict_from_pool``: what
+``gateway.audit.loop_append`` saves); the order rotates from round to round,
 so that drift and warm caches hit all alike, and each round gives one "added" figure per
 gateway mode (gateway minus direct). Greedy decoding without speculation keeps the engine's
 share identical.
@@ -64,6 +66,7 @@ from bench.request_timeline import (
 from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from gateway.app import create_app
+from gateway.audit.loop_append import LoopAppender
 from gateway.backends.local import LocalBackend
 from gateway.dependencies import Services
 from gateway.generation import build_job
@@ -74,6 +77,10 @@ from gateway.settings import Settings, load_settings
 MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
 # The gateway's two orderings of the `request` commit and the engine's start.
 MODES = {"strict": False, "overlap": True}
+# The strict mode with its two audit appends sent from the database pool instead of the event
+# loop (``gateway.audit.loop_append``), alternated with the others: what the loop path saves.
+POOL_MODE = "strict_from_pool"
+MODES[POOL_MODE] = False
 PATHS = ("direct", *MODES)
 
 
@@ -303,6 +310,10 @@ def measure(
         for mode, overlap in MODES.items()
     }
     rounds = Rounds({path: [] for path in PATHS}, {path: [] for path in PATHS})
+    from_loop = services.appender
+    from_pool = LoopAppender(
+        services.audit, services.offload.submit_db, None, {}, services.settings.audit_lock_timeout_s
+    )
     expected_tokens = len(engine.generate(direct_request).token_ids)
     with loopback_client(base_url, api_key) as client:
         # The direct call waits as the gateway does, woken once by the final delta
@@ -318,6 +329,7 @@ def measure(
 
         def one_through_gateway(mode: str) -> float:
             services.settings = settings[mode]
+            services.appender = from_pool if mode == POOL_MODE else from_loop
             assert client.stdin is not None and client.stdout is not None
             client.stdin.write(json.dumps(body) + "\n")
             client.stdin.flush()

@@ -3,7 +3,8 @@
 ``instrument(app, services, timeline)`` wraps, on the serving instances only (nothing in the
 gateway is changed for it), each place a request crosses a thread or a stage: the ASGI entry
 and the response's first and last send, the hand-off to the prepare pool and back, each audit
-commit's hand-off to the database pool, its work there and the way back, the engine's first and
+commit's start, its hand-off to the database pool and work there when it goes through the
+pool, its answer and the way back to the request, the engine's first and
 last delta and the wake-up of the loop that waits for them. The client adds its own send and
 receive. Consecutive stamps cut a request into intervals that sum, by construction, to what the
 client measured; each interval is charged to the stamp that ends it (``PIECES`` names what
@@ -35,17 +36,17 @@ PIECES: dict[str, str] = {
     "prepare finished": "validation against the model, chat template, tokenize",
     "prepare returned": "hand-off back to the loop",
     "request commit submitted": "GenAI span, prompt commitment, `request` payload",
-    "request commit started": "hand-off to the database pool",
-    "request commit finished": "`request` append and commit",
-    "request commit returned": "hand-off back to the loop",
+    "request commit started": "hand-off to the database pool (an append from the pool)",
+    "request commit finished": "`request` append and commit (from the loop: its round trip)",
+    "request commit returned": "hand-off back to the awaiting request",
     "engine submitted": "on the loop before the engine",
     "engine first delta": "engine: queue, prefill, first token",
     "engine final delta": "engine: the other tokens",
     "engine returned": "hand-off from the engine's thread back to the loop",
     "completion commit submitted": "`completion` payload, metrics, span attributes",
-    "completion commit started": "hand-off to the database pool",
-    "completion commit finished": "`completion` append and commit",
-    "completion commit returned": "hand-off back to the loop",
+    "completion commit started": "hand-off to the database pool (an append from the pool)",
+    "completion commit finished": "`completion` append and commit (from the loop: its round trip)",
+    "completion commit returned": "hand-off back to the awaiting request",
     "response started": "response built (pydantic, JSON), middleware",
     "response sent": "response body written",
     "client received": "response over loopback HTTP, read by the client",
@@ -186,6 +187,17 @@ def instrument(services: Services, timeline: Timeline) -> None:
             kind = what.removesuffix(" append")
             timeline.mark(f"{kind} commit returned" if kind in AUDITED else f"{what} returned")
 
+    appender = services.appender
+    submit_append = appender.submit
+
+    def stamped_submit_append(kind: str, actor: str | None, payload: dict[str, Any]) -> Any:
+        what = f"{kind} commit"
+        timeline.mark(f"{what} submitted")
+        future = submit_append(kind, actor, payload)
+        # From the loop, the statement's answer settles the future on the loop itself.
+        future.add_done_callback(lambda _: timeline.mark(f"{what} finished"))
+        return future
+
     backend = services.backend
     submit = backend.submit
 
@@ -198,4 +210,5 @@ def instrument(services: Services, timeline: Timeline) -> None:
     offload.prepare = stamped_prepare  # type: ignore[method-assign]
     offload.submit_db = stamped_submit_db  # type: ignore[method-assign]
     offload.wait_db = stamped_wait_db  # type: ignore[method-assign]
+    appender.submit = stamped_submit_append  # type: ignore[method-assign]
     backend.submit = stamped_submit  # type: ignore[method-assign]

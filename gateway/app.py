@@ -24,12 +24,19 @@ from engine.types import FallbackEvent
 from gateway import openapi
 from gateway.admission import Admission
 from gateway.audit.log import AuditUnavailableError, WitnessPolicy
+from gateway.audit.loop_append import LoopAppender, libpq_conninfo
 from gateway.audit.mac import EventMac
 from gateway.audit.signing import CheckpointSigner, load_public_key
 from gateway.backends.base import GenerationBackend, ReplicatedBackend
 from gateway.backends.local import LocalBackend
 from gateway.body_limit import BodySizeLimitMiddleware
-from gateway.db import DatabaseTimeouts, make_db_engine, normalise_url, upgrade_database
+from gateway.db import (
+    DatabaseTimeouts,
+    is_sqlite,
+    make_db_engine,
+    normalise_url,
+    upgrade_database,
+)
 from gateway.dependencies import Services
 from gateway.errors import install_error_handlers
 from gateway.interpreter import tuned_for_serving
@@ -177,6 +184,11 @@ def start_services(
         window_s=settings.refusal_window_s,
     )
     refusals.start()
+    offload = Offload(
+        db_threads=settings.db_threads,
+        prepare_threads=settings.prepare_threads,
+        timeout_s=settings.audit_timeout_s,
+    )
     return Services(
         settings=settings,
         backend=backend,
@@ -185,10 +197,13 @@ def start_services(
         signer=signer,
         db=db,
         telemetry=telemetry,
-        offload=Offload(
-            db_threads=settings.db_threads,
-            prepare_threads=settings.prepare_threads,
-            timeout_s=settings.audit_timeout_s,
+        offload=offload,
+        appender=LoopAppender(
+            audit_log,
+            lambda fn, *args: offload.submit_db(fn, *args),
+            None if is_sqlite(db) else libpq_conninfo(db),
+            database_timeouts(settings).connect_args(),
+            settings.audit_lock_timeout_s,
         ),
         spool=spool,
         admission=Admission(settings.max_queue),
@@ -215,6 +230,7 @@ async def stop_services(services: Services) -> None:
         await append_durably(
             services.offload,
             services.spool,
+            services.appender,
             "shutdown",
             SYSTEM_ACTOR,
             {"instance_id": services.instance_id, "pending_spooled": services.spool.pending},
@@ -228,6 +244,7 @@ async def stop_services(services: Services) -> None:
             await services.offload.db(services.leases.release)
         except AuditUnavailableError as error:
             log.warning("lease_not_released", error=str(error))
+    await services.appender.close(settings.audit_timeout_s)
     await run_in_threadpool(services.backend.close)
     await run_in_threadpool(services.spool.close, settings.audit_timeout_s)
     services.offload.close()

@@ -94,11 +94,12 @@ def _replace_ended_connections(engine: sa.Engine) -> None:
 
     @sa.event.listens_for(engine, "checkout")
     def _on_checkout(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
-        if dbapi_connection.closed or _has_input(dbapi_connection.pgconn.socket):
+        if dbapi_connection.closed or has_input(dbapi_connection.pgconn.socket):
             raise sa.exc.DisconnectionError("the server ended this pooled connection")
 
 
-def _has_input(fd: int) -> bool:
+def has_input(fd: int) -> bool:
+    """Whether ``fd`` has something to read now (an idle connection: the server's goodbye)."""
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLPRI)
     return bool(poller.poll(0))

@@ -16,6 +16,7 @@ from fastapi import Depends, Request
 
 from gateway.admission import Admission
 from gateway.audit.log import AuditLog
+from gateway.audit.loop_append import LoopAppender
 from gateway.audit.signing import CheckpointSigner
 from gateway.backends.base import GenerationBackend
 from gateway.errors import APIError
@@ -41,6 +42,7 @@ class Services:
     db: sa.Engine
     telemetry: Telemetry
     offload: Offload
+    appender: LoopAppender
     spool: EventSpool
     admission: Admission
     lifecycle: Lifecycle

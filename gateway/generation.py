@@ -711,9 +711,7 @@ class AuditedGeneration:
             )
             payload["instance_id"] = services.instance_id
             if self.data_key is None:
-                attempt = services.offload.submit_db(
-                    services.audit.append, "request", self.principal.key_id, payload
-                )
+                attempt = services.appender.submit("request", self.principal.key_id, payload)
             else:
                 content = {
                     "kind": job.kind,
@@ -736,7 +734,9 @@ class AuditedGeneration:
             self._cancel_handles()
             log.error("request_not_audited", error=str(error))
             if attempt is not None:
-                attempt.add_done_callback(self._answer_late_request)
+                # Settled on a pool thread or on the loop: the spool's fsync goes to its own.
+                io = services.offload.submit_io
+                attempt.add_done_callback(lambda late: io(self._answer_late_request, late))
             raise audit_unavailable() from error
         except BaseException:
             self._cancel_handles()
@@ -774,7 +774,7 @@ class AuditedGeneration:
 
     def _answer_late_request(self, attempt: Future[AppendedEvent]) -> None:
         """A `request` event that commits after the client was told 503 gets a `completion`
-        saying it was not served (on the database thread; the spool never waits)."""
+        saying it was not served (on the spool's thread; the spool never waits)."""
         if attempt.cancelled() or attempt.exception() is not None:
             return
         payload = self._completion_payload("not_served", "the request event committed late")
@@ -943,6 +943,7 @@ class AuditedGeneration:
                 await append_durably(
                     services.offload,
                     services.spool,
+                    services.appender,
                     "completion",
                     self.principal.key_id,
                     payload,

@@ -63,13 +63,14 @@ class Offload:
         result: T = await self.wait_db(future, key)
         return result
 
-    async def io(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """Run local file work (the spool's fsync) on its own thread, whatever the database."""
+    def submit_io(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        """Start local file work (the spool's fsync) on its own thread, whatever the database."""
         context = contextvars.copy_context()
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._io, functools.partial(context.run, fn, *args, **kwargs)
-        )
+        return self._io.submit(functools.partial(context.run, fn, *args, **kwargs))
+
+    async def io(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """``submit_io``, awaited."""
+        return await asyncio.wrap_future(self.submit_io(fn, *args, **kwargs))
 
     async def prepare(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run CPU-bound request preparation off the event loop."""

@@ -18,6 +18,7 @@ import structlog
 
 from engine.types import FallbackEvent, GenerationStats, SamplingParams, SpeculativeChoice
 from gateway.audit.log import AppendedEvent, AuditLog, AuditUnavailableError
+from gateway.audit.loop_append import LoopAppender
 from gateway.backends.base import BackendCard
 from gateway.keys import Principal
 from gateway.offload import Offload
@@ -39,6 +40,7 @@ async def append_event(
 async def append_durably(
     offload: Offload,
     spool: EventSpool,
+    appender: LoopAppender,
     kind: str,
     actor: str | None,
     payload: dict[str, Any],
@@ -52,7 +54,11 @@ async def append_durably(
     ``meanwhile`` runs on the caller's thread while the direct attempt commits (work that
     need not come before the commit); whatever it raises is raised once the event is safe."""
     attempted_at = datetime.now(UTC)
-    attempt = offload.submit_db(spool.commit, kind, actor, payload, content)
+    attempt = (
+        appender.submit(kind, actor, payload)
+        if content is None
+        else offload.submit_db(spool.commit, kind, actor, payload, content)
+    )
     failure: BaseException | None = None
     if meanwhile is not None:
         try:

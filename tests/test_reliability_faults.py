@@ -8,6 +8,7 @@ test's tmp path). Bounds are stated with their margins for a busy 2-core machine
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -25,11 +26,14 @@ import pytest
 import sqlalchemy as sa
 
 from engine.types import FallbackEvent
-from gateway.audit.log import AuditLog
+from gateway.audit.log import AppendedEvent, AuditLog, AuditUnavailableError
+from gateway.audit.loop_append import LoopAppender, libpq_conninfo
 from gateway.audit.mac import EventMac
 from gateway.audit.schema import audit_events
-from gateway.db import make_db_engine, upgrade_database
+from gateway.audit.signing import CheckpointSigner
+from gateway.db import DatabaseTimeouts, make_db_engine, upgrade_database
 from gateway.keys import KeyStore
+from gateway.offload import Offload
 from gateway.recording import fallback_recorder
 from gateway.spool import EventSpool
 from tests.api_harness import LiveGateway, fresh_database
@@ -299,6 +303,65 @@ def test_a_spool_left_by_a_crash_commits_each_event_once(pg_url: str, tmp_path: 
 
 
 # --- the process: kill -9, failed start, SIGTERM -------------------------------------------
+
+
+def test_a_loop_append_answers_in_bounded_time_while_the_server_is_stalled_or_stopped(
+    own_pg: PgInstance, tmp_path: Path
+) -> None:
+    """The `request` and `completion` appends go from the event loop on a connection of its
+    own (``gateway.audit.loop_append``). Stalled (SIGSTOP) under a statement: the wait gives
+    up within the audit bound, and the statement commits once the server runs again.
+    Stopped: the append fails within the bound. Started again: appends resume on a new
+    connection; one chain, verifying."""
+    url = own_pg.create_database("loop_append")
+    upgrade_database(url)
+    timeouts = DatabaseTimeouts(connect_s=2.0, statement_s=2.0, lock_s=2.0)
+    db = make_db_engine(url, timeouts)
+    log = AuditLog(db, CheckpointSigner.load_or_create(tmp_path / "s.pem"), lock_timeout_s=2.0)
+    offload = Offload(db_threads=4, prepare_threads=1, timeout_s=AUDIT_TIMEOUT_S)
+    appender = LoopAppender(
+        log, offload.submit_db, libpq_conninfo(db), timeouts.connect_args(), 2.0
+    )
+    log.append("request", "k", {"i": 0})  # the head is known from here on
+
+    async def append(payload: dict[str, Any]) -> AppendedEvent:
+        return await offload.wait_db(appender.submit("request", "k", payload), "request append")
+
+    async def bounded_failure(payload: dict[str, Any]) -> float:
+        started = time.monotonic()
+        with pytest.raises(AuditUnavailableError):
+            await append(payload)
+        return time.monotonic() - started
+
+    async def run() -> tuple[float, AppendedEvent, float, AppendedEvent]:
+        before = await append({"i": 1})  # the loop's connection is open
+        own_pg.pause()
+        try:
+            stalled = appender.submit("request", "k", {"i": 2})
+            started = time.monotonic()
+            with pytest.raises(AuditUnavailableError):
+                await offload.wait_db(stalled, "request append")
+            stalled_s = time.monotonic() - started
+        finally:
+            own_pg.resume()
+        late = await asyncio.wrap_future(stalled)
+        assert late.seq == before.seq + 1
+        own_pg.stop()
+        try:
+            stopped_s = await bounded_failure({"i": 3})
+        finally:
+            own_pg.start()
+        after = await append({"i": 4})
+        await appender.close(5.0)
+        return stalled_s, late, stopped_s, after
+
+    stalled_s, late, stopped_s, after = asyncio.run(run())
+    offload.close()
+    assert stalled_s < ANSWER_BOUND_S and stopped_s < ANSWER_BOUND_S, (stalled_s, stopped_s)
+    assert after.seq == late.seq + 1
+    report = log.verify()
+    assert report.ok and report.events_checked == after.seq, report
+    db.dispose()
 
 
 def _serve(

@@ -14,6 +14,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import httpx
@@ -22,7 +23,7 @@ import sqlalchemy as sa
 
 from engine.service import RequestHandle
 from engine.types import GenerationRequest
-from gateway.audit.log import AuditUnavailableError
+from gateway.audit.log import AppendedEvent, AuditUnavailableError
 from gateway.audit.schema import audit_events
 from tests.api_harness import LiveGateway
 from tests.pg_instance import PgInstance, gateway_on, running_instance
@@ -182,16 +183,22 @@ def test_a_stalled_request_commit_serves_no_byte_cancels_the_engine_and_records_
 def test_an_answer_rendered_during_the_completion_commit_is_not_sent_when_it_fails(
     gateway: LiveGateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spool = gateway.services.spool
+    services = gateway.services
 
-    def refused(*_: Any) -> Any:
-        raise AuditUnavailableError("audit store unavailable: refused by the test")
+    submit = services.appender.submit
+
+    def refused(kind: str, actor: str | None, payload: dict[str, Any]) -> Future[AppendedEvent]:
+        if kind != "completion":
+            return submit(kind, actor, payload)
+        failed: Future[AppendedEvent] = Future()
+        failed.set_exception(AuditUnavailableError("audit store unavailable: refused by the test"))
+        return failed
 
     def unwritable(*_: Any) -> Any:
         raise OSError("spool refused by the test")
 
-    monkeypatch.setattr(spool, "commit", refused)
-    monkeypatch.setattr(spool, "keep", unwritable)
+    monkeypatch.setattr(services.appender, "submit", refused)  # the completion's direct commit
+    monkeypatch.setattr(services.spool, "keep", unwritable)
     response = httpx.post(
         gateway.base_url + "/v1/chat/completions",
         json=GREEDY,

@@ -57,3 +57,29 @@ def test_completions_use_no_thread_of_anyios_pool(
         assert client.post("/v1/completions", json=completion).status_code == 200
         assert client.get("/v1/models").status_code == 200
     assert borrowed == []
+
+
+def test_a_completions_audit_appends_take_no_database_pool_thread(
+    gateway: LiveGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once this gateway knows the audit head (after its own appends), a completion's
+    `request` and `completion` events are appended from the event loop
+    (``gateway.audit.loop_append``), streamed or not: no hand-off to the database pool."""
+    headers = {"authorization": f"Bearer {gateway.keys['app']}"}
+    url = gateway.base_url
+    assert httpx.post(url + "/v1/chat/completions", json=CHAT, headers=headers).status_code == 200
+    offload = gateway.services.offload
+    submitted: list[str] = []
+    submit_db = offload.submit_db
+
+    def counting(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        submitted.append(getattr(fn, "__qualname__", repr(fn)))
+        return submit_db(fn, *args, **kwargs)
+
+    monkeypatch.setattr(offload, "submit_db", counting)
+    with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
+        for body in (CHAT, {**CHAT, "stream": True}):
+            response = client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+    audit_calls = [name for name in submitted if "renew" not in name and "expired" not in name]
+    assert audit_calls == []

@@ -3,9 +3,11 @@ network) that every request pays, so their number is checked, not just the resul
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,8 @@ import pytest
 import sqlalchemy as sa
 from psycopg import _connection_base
 
-from gateway.audit.log import AuditLog
+from gateway.audit.log import AppendedEvent, AuditLog
+from gateway.audit.loop_append import LoopAppender, libpq_conninfo
 from gateway.audit.signing import CheckpointSigner
 from gateway.db import make_db_engine
 from gateway.keys import KeyStore
@@ -171,3 +174,86 @@ def test_a_checkout_sends_no_ping_yet_a_connection_the_server_ended_is_replaced(
     assert store._audit.append("request", principal.key_id, {"after": "terminate"}).seq > 0
     monkeypatch.undo()
     assert old_pid not in _pooled_backend_pids(pg)
+
+
+def _loop_appender(log: AuditLog, pg: sa.Engine, pooled: list[str]) -> LoopAppender:
+    """An appender whose hand-offs to the pool are counted in ``pooled``."""
+    pool = ThreadPoolExecutor(2)
+
+    def to_pool(fn: Any, *args: Any) -> Any:
+        pooled.append(getattr(fn, "__qualname__", repr(fn)))
+        return pool.submit(fn, *args)
+
+    return LoopAppender(log, to_pool, libpq_conninfo(pg), {"connect_timeout": 2}, 0.5)
+
+
+def _on_a_loop(appender: LoopAppender, events: list[dict[str, Any]]) -> list[AppendedEvent]:
+    async def run() -> list[AppendedEvent]:
+        appended = []
+        for payload in events:
+            appended.append(await asyncio.wrap_future(appender.submit("request", "k", payload)))
+        await appender.close(5.0)
+        return appended
+
+    return asyncio.run(run())
+
+
+def test_appends_at_a_known_head_go_from_the_event_loop_without_a_pool_thread(
+    pg: sa.Engine, tmp_path: Path
+) -> None:
+    """Once the log knows the head, an append submitted on the event loop is its one
+    statement on the loop's own connection: no pool thread, no statement through the pool's
+    engine; the head it leaves is known to the pool's appends after it."""
+    log = AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem"), lock_timeout_s=0.5)
+    first = log.append("request", "k", {"i": 0})
+    pooled: list[str] = []
+    appender = _loop_appender(log, pg, pooled)
+    statements = _statements(pg)
+    appended = _on_a_loop(appender, [{"i": i} for i in range(1, 4)])
+    assert pooled == [] and statements == []
+    assert [event.seq for event in appended] == [first.seq + 1, first.seq + 2, first.seq + 3]
+    assert log.append("request", "k", {"i": 4}).seq == first.seq + 4
+    assert [" ".join(s.split()[:3]) for s in statements] == ["WITH moved AS"]
+    report = log.verify()
+    assert report.ok and report.events_checked == first.seq + 4, report
+
+
+def test_a_loop_append_after_another_writer_moved_the_head_goes_to_the_pool(
+    pg: sa.Engine, tmp_path: Path
+) -> None:
+    signer = CheckpointSigner.load_or_create(tmp_path / "s.pem")
+    log, other = AuditLog(pg, signer, lock_timeout_s=0.5), AuditLog(pg, signer)
+    log.append("request", "k", {"i": 0})
+    moved = other.append("request", "other", {"i": 1})
+    pooled: list[str] = []
+    (appended,) = _on_a_loop(_loop_appender(log, pg, pooled), [{"i": 2}])
+    assert appended.seq == moved.seq + 1
+    assert len(pooled) == 1  # tried at the old head, nothing written, then under the lock
+    report = other.verify()
+    assert report.ok and report.events_checked == moved.seq + 1, report
+
+
+def test_a_loop_connection_the_server_ended_is_replaced_before_the_append(
+    pg: sa.Engine, pg_url: str, tmp_path: Path
+) -> None:
+    log = AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem"), lock_timeout_s=0.5)
+    log.append("request", "k", {"i": 0})
+    pooled: list[str] = []
+    appender = _loop_appender(log, pg, pooled)
+
+    async def run() -> list[int]:
+        seqs = [(await asyncio.wrap_future(appender.submit("request", "k", {"i": 1}))).seq]
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE pid <> pg_backend_pid() AND datname = current_database() "
+                "AND query LIKE '%%WITH moved AS%%'"
+            )
+        await asyncio.sleep(0.2)  # the server's goodbye reaches the loop's socket
+        seqs.append((await asyncio.wrap_future(appender.submit("request", "k", {"i": 2}))).seq)
+        await appender.close(5.0)
+        return seqs
+
+    first, second = asyncio.run(run())
+    assert second == first + 1 and pooled == []
+    assert log.verify().ok

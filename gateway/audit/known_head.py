@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from gateway.audit.merkle import CompactRange
 
 # The events, the nodes and the new head, only if the head is the one known (``moved``).
-_APPEND = """
+APPEND = """
 WITH moved AS (
     UPDATE audit_head
     SET tree_size = %(new_size)s, head_hash = %(new_hash)s, frontier = %(new_frontier)s
@@ -68,19 +68,17 @@ class KnownHead:
         return cls(frontier.size, head_hash, tuple(frontier.hashes))
 
 
-def append_at(
-    connection: sa.Connection,
+def append_params(
     known: KnownHead,
     frontier: CompactRange,
     head_hash: str,
     rows: Sequence[dict[str, Any]],
     nodes: Sequence[dict[str, Any]],
     lock_timeout_s: float,
-) -> bool:
-    """Write ``rows`` and ``nodes`` (built after ``known``) and the new head (``frontier``,
-    ``head_hash``) in one autocommitted statement on ``connection``; False, with nothing
-    written, when the head row is not ``known``."""
-    params: dict[str, Any] = {
+) -> dict[str, Any]:
+    """The parameters of ``APPEND`` for ``rows`` and ``nodes`` (built after ``known``) and the
+    new head (``frontier``, ``head_hash``)."""
+    return {
         "new_size": frontier.size,
         "new_hash": head_hash,
         "new_frontier": b"".join(frontier.hashes),
@@ -95,5 +93,20 @@ def append_at(
         "idx": [node["idx"] for node in nodes],
         "node": [node["hash"] for node in nodes],
     }
-    moved = connection.exec_driver_sql(_APPEND, params).scalar_one()
+
+
+def append_at(
+    connection: sa.Connection,
+    known: KnownHead,
+    frontier: CompactRange,
+    head_hash: str,
+    rows: Sequence[dict[str, Any]],
+    nodes: Sequence[dict[str, Any]],
+    lock_timeout_s: float,
+) -> bool:
+    """Write ``rows`` and ``nodes`` (built after ``known``) and the new head (``frontier``,
+    ``head_hash``) in one autocommitted statement on ``connection``; False, with nothing
+    written, when the head row is not ``known``."""
+    params = append_params(known, frontier, head_hash, rows, nodes, lock_timeout_s)
+    moved = connection.exec_driver_sql(APPEND, params).scalar_one()
     return bool(moved)

@@ -18,7 +18,8 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -124,7 +125,7 @@ class WitnessPolicy:
     max_age_s: float | None = None
 
 
-def _checked_event(kind: str, actor: str | None) -> tuple[str, str | None]:
+def checked_event(kind: str, actor: str | None) -> tuple[str, str | None]:
     if not _KIND.fullmatch(kind):
         raise ValueError(f"invalid audit event kind {kind!r}")
     if actor is not None and (len(actor) > 200 or _CONTROL.search(actor)):
@@ -368,9 +369,25 @@ class AuditLog:
     def signed_state(self) -> SignedState:
         return self._state
 
+    @contextmanager
+    def observed(self, kind: str) -> Iterator[Callable[[AppendedEvent], None]]:
+        """Around each append, whichever way it goes (here or ``gateway.audit.loop_append``):
+        where a subclass traces and times it (``ObservedAuditLog``); here nothing. The
+        callable is given the appended event."""
+        yield lambda _event: None
+
     def append(self, kind: str, actor: str | None, payload: dict[str, Any]) -> AppendedEvent:
         """Record one event and return once it is committed."""
-        kind, actor = _checked_event(kind, actor)
+        with self.observed(kind) as record:
+            appended = self.append_unobserved(kind, actor, payload)
+            record(appended)
+        return appended
+
+    def append_unobserved(
+        self, kind: str, actor: str | None, payload: dict[str, Any]
+    ) -> AppendedEvent:
+        """``append`` inside an observation the caller holds."""
+        kind, actor = checked_event(kind, actor)
         pending = _Pending(kind, actor, normalise_payload(payload))
         with self._lock:
             self._queue.append(pending)
@@ -395,7 +412,7 @@ class AuditLog:
         """Record one event inside the caller's open write transaction (from
         ``gateway.db.write_connection``), so that it commits or rolls back with the caller's
         own change."""
-        kind, actor = _checked_event(kind, actor)
+        kind, actor = checked_event(kind, actor)
         self.forget_known_head()  # this transaction moves the head
         (appended,) = insert_events(
             connection,
@@ -405,7 +422,8 @@ class AuditLog:
         )
         return appended
 
-    def _remember(self, frontier: CompactRange) -> None:
+    def remember_appended(self, frontier: CompactRange) -> None:
+        """Note the tree after this process's newest committed events (the truncation check)."""
         with self._lock:
             if frontier.size > self._appended[0]:
                 self._appended = (frontier.size, frontier.root())
@@ -439,7 +457,7 @@ class AuditLog:
             known, self._known_head = self._known_head, None
             written = None if known is None else self._append_at(known, events)
             results, frontier = written or once_more_if_ended(commit)
-            self._remember(frontier)
+            self.remember_appended(frontier)
             if self._db.dialect.name == "postgresql":
                 self._known_head = KnownHead.after(frontier, results[-1].event_hash)
         except BaseException as exc:  # every waiting caller must wake, whatever happened
@@ -451,6 +469,34 @@ class AuditLog:
         for pending in batch:
             pending.done = True
             pending.wake.set()
+
+    def claim_known_head(self) -> KnownHead | None:
+        """Take the writer's role with the head this process wrote last, when no append of
+        this process is in progress and that head is known (PostgreSQL); None otherwise. The
+        claimer writes at the head (``gateway.audit.known_head``) and then must call
+        ``release_writer``; appends meanwhile queue as behind any writer."""
+        if self._db.dialect.name != "postgresql":
+            return None
+        with self._lock:
+            if self._writing or self._queue or self._known_head is None:
+                return None
+            self._writing = True
+            known, self._known_head = self._known_head, None
+            return known
+
+    def release_writer(self, appended: CompactRange | None, head: KnownHead | None) -> None:
+        """End a ``claim_known_head``: ``appended``, the tree after the claimer's committed
+        events (None: nothing committed); ``head``, the head to write at next (None: unknown,
+        the next append takes the lock). The first queued caller becomes the writer."""
+        if appended is not None:
+            self.remember_appended(appended)
+        with self._lock:
+            if head is not None:
+                self._known_head = head
+            if self._queue:
+                self._queue[0].wake.set()
+            else:
+                self._writing = False
 
     def forget_known_head(self) -> None:
         """Make the next append take the head row's lock and read the head, as it does after
@@ -481,12 +527,13 @@ class AuditLog:
                 raise
             # The connection ended under the statement (server restart, failover): whether
             # it committed is read back by the first event's id, on a fresh connection.
-            if self._written(built.appended[0].event_id):
+            if self.written(built.appended[0].event_id):
                 return built.appended, frontier
             return None
         return (built.appended, frontier) if moved else None
 
-    def _written(self, event_id: str) -> bool:
+    def written(self, event_id: str) -> bool:
+        """Whether the event ``event_id`` is in the log (an append whose answer was lost)."""
         query = sa.select(audit_events.c.seq).where(audit_events.c.event_id == event_id)
         with read_connection(self._db) as connection:
             return connection.execute(query).first() is not None

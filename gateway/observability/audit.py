@@ -4,6 +4,8 @@ every append (request, completion, fallback, export, checkpoint, startup) in one
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
@@ -27,8 +29,7 @@ class ObservedAuditLog(AuditLog):
     def on_tamper(self, error: TamperDetectedError) -> None:
         self._telemetry.metrics.audit_tamper_detected.inc()
 
-    def append(self, kind: str, actor: str | None, payload: dict[str, Any]) -> AppendedEvent:
+    @contextmanager
+    def observed(self, kind: str) -> Iterator[Callable[[AppendedEvent], None]]:
         with self._telemetry.audit_write(kind) as span:
-            appended = super().append(kind, actor, payload)
-            span.record(appended.seq, appended.event_id)
-        return appended
+            yield lambda appended: span.record(appended.seq, appended.event_id)
