@@ -105,7 +105,11 @@ class LoopAppender:
         self._loop = loop
         result: Future[AppendedEvent] = Future()
         frontier = known.frontier()
-        built = build_events([event], known.head_hash, frontier, audit.mac)
+        try:
+            built = build_events([event], known.head_hash, frontier, audit.mac)
+        except BaseException:
+            audit.release_writer(None, known)
+            raise
         task = loop.create_task(self._append(known, frontier, built, event, result))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
