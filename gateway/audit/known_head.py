@@ -95,18 +95,8 @@ def append_params(
     }
 
 
-def append_at(
-    connection: sa.Connection,
-    known: KnownHead,
-    frontier: CompactRange,
-    head_hash: str,
-    rows: Sequence[dict[str, Any]],
-    nodes: Sequence[dict[str, Any]],
-    lock_timeout_s: float,
-) -> bool:
-    """Write ``rows`` and ``nodes`` (built after ``known``) and the new head (``frontier``,
-    ``head_hash``) in one autocommitted statement on ``connection``; False, with nothing
-    written, when the head row is not ``known``."""
-    params = append_params(known, frontier, head_hash, rows, nodes, lock_timeout_s)
+def append_at(connection: sa.Connection, params: dict[str, Any]) -> bool:
+    """Run ``APPEND`` with ``params`` (``append_params``) in one autocommitted statement on
+    ``connection``; False, with nothing written, when the head row is not the known one."""
     moved = connection.exec_driver_sql(APPEND, params).scalar_one()
     return bool(moved)

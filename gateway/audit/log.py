@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.audit.canonical import event_bytes, format_timestamp, normalise_payload
-from gateway.audit.known_head import KnownHead, append_at
+from gateway.audit.known_head import KnownHead, append_at, append_params
 from gateway.audit.legacy import LEGACY_KIND, LegacyPrefix, declaration_payload
 from gateway.audit.mac import EventMac
 from gateway.audit.merkle import (
@@ -511,17 +511,12 @@ class AuditLog:
         statement may have committed."""
         frontier = known.frontier()
         built = build_events(events, known.head_hash, frontier, self._mac)
+        params = append_params(
+            known, frontier, built.head_hash, built.rows, built.nodes, self._lock_timeout_s
+        )
         try:
             with read_connection(self._db) as connection:
-                moved = append_at(
-                    connection,
-                    known,
-                    frontier,
-                    built.head_hash,
-                    built.rows,
-                    built.nodes,
-                    self._lock_timeout_s,
-                )
+                moved = append_at(connection, params)
         except sa.exc.DBAPIError as exc:
             if not exc.connection_invalidated:
                 raise

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -50,6 +51,18 @@ from gateway.db import has_input
 log = structlog.get_logger(__name__)
 
 ToPool = Callable[..., "Future[AppendedEvent]"]
+
+
+@dataclass
+class _Attempt:
+    """One append from the loop: the head it is written after, the tree and the events built
+    after it, the event as given, and the caller's future."""
+
+    known: KnownHead
+    frontier: CompactRange
+    built: BuiltEvents
+    event: tuple[str, str | None, dict[str, Any]]
+    result: Future[AppendedEvent]
 
 
 class _HandedOn(Exception):
@@ -110,41 +123,29 @@ class LoopAppender:
         except BaseException:
             audit.release_writer(None, known)
             raise
-        task = loop.create_task(self._append(known, frontier, built, event, result))
+        task = loop.create_task(self._append(_Attempt(known, frontier, built, event, result)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return result
 
-    async def _append(
-        self,
-        known: KnownHead,
-        frontier: CompactRange,
-        built: BuiltEvents,
-        event: tuple[str, str | None, dict[str, Any]],
-        result: Future[AppendedEvent],
-    ) -> None:
-        """Settle ``result`` with the append, observed (span, timing) as one, whichever way
-        it went."""
+    async def _append(self, attempt: _Attempt) -> None:
+        """Settle the caller's future with the append, observed (span, timing) as one,
+        whichever way it went."""
         try:
-            with self._audit.observed(event[0]) as record:
-                appended = await self._write(known, frontier, built, event, result)
+            with self._audit.observed(attempt.event[0]) as record:
+                appended = await self._write(attempt)
                 record(appended)
         except _HandedOn:
             return
         except Exception as error:
-            result.set_exception(error)
+            attempt.result.set_exception(error)
             return
-        result.set_result(appended)
+        attempt.result.set_result(appended)
 
-    async def _write(
-        self,
-        known: KnownHead,
-        frontier: CompactRange,
-        built: BuiltEvents,
-        event: tuple[str, str | None, dict[str, Any]],
-        result: Future[AppendedEvent],
-    ) -> AppendedEvent:
+    async def _write(self, attempt: _Attempt) -> AppendedEvent:
         audit = self._audit
+        known, frontier, built = attempt.known, attempt.frontier, attempt.built
+        event = attempt.event
         try:
             connection = await self._connected()
         except (psycopg.Error, OSError) as error:  # nothing was sent: the head is still known
@@ -153,7 +154,7 @@ class LoopAppender:
             return await self._in_pool(audit.append_unobserved, *event)
         except asyncio.CancelledError:
             audit.release_writer(None, known)
-            self._chain(result, audit.append_unobserved, *event)
+            self._chain(attempt.result, audit.append_unobserved, *event)
             raise _HandedOn from None
         params = append_params(
             known, frontier, built.head_hash, built.rows, built.nodes, self._lock_timeout_s
@@ -166,13 +167,13 @@ class LoopAppender:
             if not connection.broken:
                 raise AuditUnavailableError(f"audit store unavailable: {error}") from error
             self._drop(connection)
-            return await self._in_pool(self._settle, frontier, built, event)
+            return await self._in_pool(self._settle, attempt)
         except asyncio.CancelledError:
             # Stopped (``close``) with the statement in flight: its fate is read back on the
             # pool, not waited for here, and the connection is not used again.
             audit.release_writer(None, None)
             self._drop(connection)
-            self._chain(result, self._settle, frontier, built, event)
+            self._chain(attempt.result, self._settle, attempt)
             raise _HandedOn from None
         if not (row and row[0]):  # another writer moved the head: nothing was written
             audit.release_writer(None, None)
@@ -180,19 +181,14 @@ class LoopAppender:
         audit.release_writer(frontier, KnownHead.after(frontier, built.head_hash))
         return built.appended[0]
 
-    def _settle(
-        self,
-        frontier: CompactRange,
-        built: BuiltEvents,
-        event: tuple[str, str | None, dict[str, Any]],
-    ) -> AppendedEvent:
+    def _settle(self, attempt: _Attempt) -> AppendedEvent:
         """After a connection ended under the statement (on the pool): the event if it was
         committed, else appended now."""
-        appended = built.appended[0]
+        appended = attempt.built.appended[0]
         if self._audit.written(appended.event_id):
-            self._audit.remember_appended(frontier)
+            self._audit.remember_appended(attempt.frontier)
             return appended
-        return self._audit.append_unobserved(*event)
+        return self._audit.append_unobserved(*attempt.event)
 
     async def _in_pool(self, fn: Callable[..., AppendedEvent], *args: Any) -> AppendedEvent:
         try:
