@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import sqlalchemy as sa
 
@@ -33,6 +30,7 @@ from gateway.privacy.store import PrivacyStore, SealedContent
 from gateway.spool import EventSpool
 from tests.api_harness import LiveGateway
 from tests.pg_instance import PgInstance, gateway_on, running_instance
+from tests.stream_reader import Stream, wait_until
 from tests.tiny_models import build_pair
 
 MODEL = "target"
@@ -60,46 +58,6 @@ def gateway(own_pg: PgInstance, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield live
 
 
-class Stream:
-    """A streamed chat completion read on its own thread: its text and how it ended."""
-
-    def __init__(self, gateway: LiveGateway) -> None:
-        self.text = ""
-        self.done = False
-        self.audit_id: str | None = None
-        self.first_chunk = threading.Event()
-        self.ended = threading.Event()
-        headers = {"authorization": f"Bearer {gateway.keys['app']}"}
-        self._thread = threading.Thread(target=self._read, args=(gateway.base_url, headers))
-        self._thread.start()
-
-    def _read(self, base_url: str, headers: dict[str, str]) -> None:
-        try:
-            with httpx.stream(
-                "POST", base_url + "/v1/chat/completions", json=STREAM, headers=headers, timeout=120
-            ) as response:
-                self.audit_id = response.headers.get("x-specgate-audit-id")
-                for line in response.iter_lines():
-                    if line == "data: [DONE]":
-                        self.done = True
-                    elif line.startswith("data: "):
-                        chunk = json.loads(line[6:])
-                        for choice in chunk.get("choices", []):
-                            self.text += choice.get("delta", {}).get("content") or ""
-                        self.first_chunk.set()
-        finally:
-            self.first_chunk.set()
-            self.ended.set()
-
-
-def _wait(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def _completion(db: sa.Engine, request_event_id: str) -> list[dict[str, Any]]:
     with db.connect() as connection:
         rows = connection.execute(
@@ -121,7 +79,7 @@ def test_a_spooled_completion_keeps_its_stored_text_sealed_on_disk(
     gateway: LiveGateway, own_pg: PgInstance, fault: str
 ) -> None:
     services = gateway.services
-    stream = Stream(gateway)
+    stream = Stream(gateway.base_url, {"authorization": f"Bearer {gateway.keys['app']}"}, STREAM)
     assert stream.first_chunk.wait(60)
     (own_pg.stop if fault == "stop" else own_pg.pause)()
     try:
@@ -140,7 +98,7 @@ def test_a_spooled_completion_keeps_its_stored_text_sealed_on_disk(
         assert CANARY not in on_disk
     finally:
         (own_pg.start if fault == "stop" else own_pg.resume)()
-    _wait(lambda: services.spool.pending == 0, 60, "the spool to drain")
+    wait_until(lambda: services.spool.pending == 0, 60, "the spool to drain")
     assert stream.audit_id is not None
     [completion] = _completion(services.db, stream.audit_id)
     assert completion["outcome"] == "ok"

@@ -44,6 +44,7 @@ from tests.pg_instance import (
     gateway_on,
     running_instance,
 )
+from tests.stream_reader import Stream, wait_until
 from tests.tiny_models import build_pair
 
 MODEL = "target"
@@ -80,55 +81,6 @@ def _events(db: sa.Engine, kind: str) -> list[sa.Row[Any]]:
     with db.connect() as connection:
         query = sa.select(audit_events).where(audit_events.c.kind == kind)
         return list(connection.execute(query.order_by(audit_events.c.seq)))
-
-
-class Stream:
-    """A streaming request read on its own thread: records its chunks and how it ended."""
-
-    def __init__(self, base_url: str, headers: dict[str, str], body: dict[str, Any]) -> None:
-        self.chunks: list[dict[str, Any]] = []
-        self.done = False
-        self.audit_id: str | None = None
-        self.first_chunk = threading.Event()
-        self.ended = threading.Event()
-        self.ended_at = 0.0
-        self._thread = threading.Thread(target=self._read, args=(base_url, headers, body))
-        self._thread.start()
-
-    def _read(self, base_url: str, headers: dict[str, str], body: dict[str, Any]) -> None:
-        try:
-            with httpx.stream(
-                "POST", base_url + "/v1/chat/completions", json=body, headers=headers, timeout=120
-            ) as response:
-                self.audit_id = response.headers.get("x-specgate-audit-id")
-                for line in response.iter_lines():
-                    if line == "data: [DONE]":
-                        self.done = True
-                    elif line.startswith("data: "):
-                        self.chunks.append(json.loads(line[6:]))
-                        self.first_chunk.set()
-        except httpx.HTTPError:
-            pass
-        finally:
-            self.ended_at = time.monotonic()
-            self.first_chunk.set()
-            self.ended.set()
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-
-    @property
-    def error(self) -> dict[str, Any] | None:
-        last = self.chunks[-1] if self.chunks else {}
-        return last.get("error")
-
-
-def _wait(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def _verify(gateway: LiveGateway) -> None:
@@ -183,7 +135,7 @@ def test_stalled_database_gives_bounded_503s_while_the_engine_keeps_decoding(
         assert services.spool.pending >= len(streams)
     finally:
         own_pg.resume()
-    _wait(lambda: services.spool.pending == 0, 60, "the spool to drain")
+    wait_until(lambda: services.spool.pending == 0, 60, "the spool to drain")
     completions = _events(services.db, "completion")
     for stream in streams:
         mine = [c for c in completions if c.payload["request_event_id"] == stream.audit_id]
@@ -229,7 +181,7 @@ def test_completions_and_fallbacks_during_an_outage_are_spooled_and_committed_in
         time.sleep(1.0)  # a measurable delay
     finally:
         own_pg.start()
-    _wait(lambda: services.spool.pending == 0, 60, "the spool to drain")
+    wait_until(lambda: services.spool.pending == 0, 60, "the spool to drain")
     completions = _events(services.db, "completion")
     ids = {stream.audit_id for stream in streams}
     spooled = [
@@ -396,7 +348,7 @@ def _wait_ready(port: int, process: subprocess.Popen[bytes]) -> None:
         except httpx.HTTPError:
             return False
 
-    _wait(ready, 120, "the gateway to be ready")
+    wait_until(ready, 120, "the gateway to be ready")
 
 
 def _app_key(url: str, data: Path) -> str:
@@ -422,7 +374,7 @@ def test_kill_9_then_restart_marks_the_interrupted_requests(
             headers = {"authorization": f"Bearer {_app_key(url, tmp_path / 'data')}"}
             streams = [Stream(f"http://127.0.0.1:{port}", headers, LONG) for _ in range(6)]
             assert streams[0].first_chunk.wait(60)
-            _wait(lambda: all(s.audit_id for s in streams), 30, "every request event")
+            wait_until(lambda: all(s.audit_id for s in streams), 30, "every request event")
             process.kill()
             process.wait(30)
         finally:
@@ -467,7 +419,7 @@ def test_sigterm_ends_streams_after_the_grace_period_and_records_the_shutdown(
             body = {**LONG, "max_tokens": 400}
             streams = [Stream(f"http://127.0.0.1:{port}", headers, body) for _ in range(8)]
             assert streams[0].first_chunk.wait(60)
-            _wait(lambda: all(s.audit_id for s in streams), 30, "every request event")
+            wait_until(lambda: all(s.audit_id for s in streams), 30, "every request event")
             stopped_at = time.monotonic()
             process.send_signal(signal.SIGTERM)
             assert process.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
