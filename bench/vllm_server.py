@@ -54,6 +54,8 @@ class VllmServer:
     speculative_config: dict[str, object] | None = None
     max_model_len: int = MAX_MODEL_LEN
     port: int = field(default_factory=free_port)
+    # CPUs to run every process of the server on (``taskset -c``), e.g. "0"; None: all.
+    cpus: str | None = None
     process: subprocess.Popen[bytes] | None = None
     startup_s: float = 0.0
 
@@ -62,7 +64,9 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        pinned = ["taskset", "-c", self.cpus] if self.cpus is not None else []
         cmd = [
+            *pinned,
             str(vllm_python()),
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -97,6 +101,7 @@ class VllmServer:
         env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
+            # Unbound: pinned by ``taskset`` where ``cpus`` is set, OpenMP sees those CPUs only.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",

@@ -1,6 +1,7 @@
 """The built-in engine and vLLM (CPU) behind the same gateway, side by side in one run.
 
     python -m bench.vllm_side_by_side [--target DIR] [--draft DIR | --no-draft]
+                                      [--no-engine] [--pin] [--port-base N]
                                       [--concurrency 1 4 16] [--max-tokens 32]
                                       [--requests-per-level 16] [--repeats 3]
                                       [--json FILE]
@@ -14,10 +15,28 @@ concurrency, it sends the same greedy chat requests (the code prompts) through:
 - the gateway over the vLLM servers, plain (``speculative: false``), n-gram and draft;
 - vLLM directly (its own ``/v1/chat/completions``), plain, n-gram and draft.
 
+``--no-engine`` leaves the built-in engine's rows out (the gateway's added latency over vLLM
+needs only the vLLM pairs, and the built-in engine at 16 clients is most of the run's time).
+
 The gateways run with the fallback off (``acceptance_threshold`` 0), so that every route
 is served by the pool it names. The gateway reads the draft's version from the ``specgate
 models hash`` manifest beside it, which the bench writes when it is missing (as an operator
-would).
+would). They are given the target's directory as ``model_dir`` besides its version, so
+they decode the rendered chat prompt with the model's tokenizer (``gateway.backends.
+vllm_tokenizer``) instead of asking the server's ``/detokenize``, as an operator who mounts
+the weights beside the gateway gets.
+
+Where the processes run. By default everything shares every CPU: the vLLM servers, and this
+process, which holds the load generator, the gateways (uvicorn threads in this process) and
+their SQLite audit stores; every CPU cycle the gateway spends is then taken from vLLM, and
+the added latency counts the gateway's CPU twice (its own time and vLLM's lost time). With
+``--pin`` the vLLM servers run on CPU 0 (``taskset -c 0``: the API server, the engine core
+and its OpenMP threads) and this process on CPU 1, approximating the production layout where
+the gateway has a pod of its own; vLLM direct is measured under the same pinning (the load
+generator on CPU 1 too), so the pair still differs only by the gateway. On a 2-CPU machine
+pinning halves vLLM's CPUs, so its pinned latencies are not comparable with the unpinned
+ones: compare each run's added latency, not its seconds. The load generator sharing CPU 1
+(and the GIL) with the gateway stays a cost a separate pod would not pay.
 
 It reports tokens/s (all completion tokens over the level's wall time), p50/p99 request
 latency, the acceptance rate, and the gateway's added latency over calling vLLM directly
@@ -36,7 +55,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -162,13 +181,26 @@ async def level(route: Route, prompts: list[list[dict[str, str]]], concurrency: 
     )
 
 
+# --pin: the vLLM servers on the first CPU, this process (load generator and gateways) on the
+# second.
+VLLM_CPUS, GATEWAY_CPUS = "0", {1}
+
+
+def pin_this_process() -> None:
+    """This process, and every thread it starts from now on, on ``GATEWAY_CPUS``."""
+    os.sched_setaffinity(0, GATEWAY_CPUS)
+
+
 @contextmanager
-def vllm_servers(target: Path, logs: Path, draft: Path | None) -> Iterator[dict[str, VllmServer]]:
+def vllm_servers(
+    target: Path, logs: Path, draft: Path | None, cpus: str | None, port_base: int
+) -> Iterator[dict[str, VllmServer]]:
     """The servers by speculation method ("plain", "ngram", and "draft" with a draft), started
-    side by side."""
+    side by side, on ``cpus`` (None: all), on ports from ``port_base`` (0: free ones)."""
     configs: dict[str, dict[str, Any] | None] = {"plain": None, "ngram": NGRAM}
     if draft is not None:
         configs["draft"] = draft_config(draft)
+    ports = {name: {"port": port_base + i} if port_base else {} for i, name in enumerate(configs)}
     servers = {
         name: VllmServer(
             target,
@@ -176,6 +208,8 @@ def vllm_servers(target: Path, logs: Path, draft: Path | None) -> Iterator[dict[
             logs / f"{name}.log",
             speculative_config=config,
             max_model_len=2048,
+            cpus=cpus,
+            **ports[name],  # type: ignore[arg-type]
         )
         for name, config in configs.items()
     }
@@ -190,8 +224,10 @@ def vllm_servers(target: Path, logs: Path, draft: Path | None) -> Iterator[dict[
             server.stop()
 
 
-def gateway_route(stack: ExitStack, name: str, settings: Settings, extra: dict[str, Any]) -> Route:
-    url, services = stack.enter_context(serving(settings))
+def gateway_route(
+    stack: ExitStack, name: str, settings: Settings, extra: dict[str, Any], port: int = 0
+) -> Route:
+    url, services = stack.enter_context(serving(settings, port=port))
     key = services.keys.create("app", f"bench-{name}", "bench")[1]
     return Route(name, url, {"authorization": f"Bearer {key}"}, DEMO_MODEL_NAME, extra, False)
 
@@ -201,12 +237,21 @@ def main() -> None:
     parser.add_argument("--target", type=Path, default=None)
     parser.add_argument("--draft", type=Path, default=None, help="default: the demo draft")
     parser.add_argument("--no-draft", action="store_true", help="no draft rows")
+    parser.add_argument("--no-engine", action="store_true", help="no built-in engine rows")
+    parser.add_argument(
+        "--pin", action="store_true", help="vLLM on CPU 0, this process (gateways) on CPU 1"
+    )
+    parser.add_argument(
+        "--port-base", type=int, default=0, help="servers on ports from N up (default: free)"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests-per-level", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="rounds over every route")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.pin:
+        pin_this_process()  # before any thread starts: the gateways' threads inherit it
     from engine.demo.paths import default_demo_dir
 
     target = args.target or default_demo_dir() / "target"
@@ -219,7 +264,11 @@ def main() -> None:
     prompts = [json.loads(line)["messages"] for line in PROMPTS.read_text().splitlines()]
     scratch = Path(tempfile.mkdtemp(prefix="specgate-vllm-bench-"))
     version = model_version(target)  # what the operator would give the vLLM backend
-    with vllm_servers(target, scratch, draft) as servers, ExitStack() as stack:
+    cpus = VLLM_CPUS if args.pin else None
+    with (
+        vllm_servers(target, scratch, draft, cpus, args.port_base) as servers,
+        ExitStack() as stack,
+    ):
         # The fallback is off: each route measures the pool it names. With it on, a gateway
         # whose n-gram acceptance dipped under the threshold would serve its "ngram" route
         # from the plain pool, and the added latency would compare plain against n-gram.
@@ -234,39 +283,52 @@ def main() -> None:
                             device="cpu", database_url=f"sqlite:///{scratch}/{name}.db",
                             data_dir=scratch / name, **speculation, **common)  # fmt: skip
 
-        local_ngram = local("local", speculative_config=json.dumps(NGRAM))
+        local_ngram = local("local", speculative_config=json.dumps(NGRAM))  # one engine, two routes
         plain = servers["plain"]
 
-        def remote(method: str) -> Settings:
+        def remote(name: str, method: str) -> Settings:
             speculative = servers[method]
             return Settings(
                 backend={
                     "kind": "vllm",
                     "vllm_servers": [
-                        {"url": plain.url, "model_version": version},
+                        {"url": plain.url, "model_version": version, "model_dir": target},
                         {
                             "url": speculative.url,
                             "model_version": version,
+                            "model_dir": target,
                             "speculative_config": speculative.speculative_config,
                         },
                     ],
                 },
-                database_url=f"sqlite:///{scratch}/vllm-{method}.db",
-                data_dir=scratch / f"vllm-{method}",
+                database_url=f"sqlite:///{scratch}/{name}.db",
+                data_dir=scratch / name,
                 **common,
             )
 
-        routes = [
-            gateway_route(stack, "gateway+engine plain", local_ngram, {"speculative": False}),
-            gateway_route(stack, "gateway+engine ngram", local_ngram, {}),
-            gateway_route(stack, "gateway+vllm plain", remote("ngram"), {"speculative": False}),
-            gateway_route(stack, "gateway+vllm ngram", remote("ngram"), {}),
+        # One gateway (and audit store) per route, each on its own port from after the
+        # servers' (0: a free one).
+        planned: list[tuple[str, Callable[[], Settings], dict[str, Any]]] = []
+        if not args.no_engine:
+            planned += [
+                ("gateway+engine plain", lambda: local_ngram, {"speculative": False}),
+                ("gateway+engine ngram", lambda: local_ngram, {}),
+            ]
+        planned += [
+            ("gateway+vllm plain", lambda: remote("vllm-plain", "ngram"), {"speculative": False}),
+            ("gateway+vllm ngram", lambda: remote("vllm-ngram", "ngram"), {}),
         ]
         if draft is not None:
-            routes += [
-                gateway_route(stack, "gateway+engine draft", local("local-draft", draft=draft), {}),
-                gateway_route(stack, "gateway+vllm draft", remote("draft"), {}),
-            ]
+            if not args.no_engine:
+                planned.append(
+                    ("gateway+engine draft", lambda: local("local-draft", draft=draft), {})
+                )
+            planned.append(("gateway+vllm draft", lambda: remote("vllm-draft", "draft"), {}))
+        first_port = args.port_base + len(servers) if args.port_base else 0
+        routes = [
+            gateway_route(stack, name, settings(), extra, first_port + i if first_port else 0)
+            for i, (name, settings, extra) in enumerate(planned)
+        ]
         direct = {
             name: Route(f"vllm direct {name}", server.url, {}, DEMO_MODEL_NAME, {}, True)
             for name, server in servers.items()
@@ -292,6 +354,9 @@ def main() -> None:
     added = added_latency(rows, list(servers), args.concurrency)
     report = {
         "load_average_1m": os.getloadavg()[0],
+        "pinned": {"vllm_cpus": VLLM_CPUS, "gateway_cpus": sorted(GATEWAY_CPUS)}
+        if args.pin
+        else None,
         "max_tokens": args.max_tokens,
         "startup_s": {f"vllm_{name}": server.startup_s for name, server in servers.items()},
         "rows": [asdict(r) for r in rows],

@@ -10,6 +10,8 @@ killed replica is taken out (that test runs last: it kills the speculative serve
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from bench.vllm_server import VllmServer
 from engine.versioning import model_version, write_manifest
 from gateway.app import load_configured_backend
 from gateway.audit.schema import audit_events
+from gateway.privacy.commitments import text_bytes
 from gateway.settings import Settings
 from tests.api_harness import LiveGateway, fresh_database, live_gateway
 from tests.tiny_models import build_model, build_tokenizer
@@ -365,6 +368,108 @@ def test_fallback_switches_pools_and_back(vllm: Servers, tmp_path: Path) -> None
                 lambda: len(payloads(gateway, "fallback")) >= 2 and payloads(gateway, "fallback")
             )
             assert [e["action"] for e in events] == ["disabled", "enabled"]
+
+
+def requests_answered(servers: Servers) -> dict[str, float]:
+    """Requests both servers answered so far, by handler: vLLM's own Prometheus counter
+    (``http_requests_total``; its health and metrics handlers are not counted)."""
+    counts: dict[str, float] = {}
+    for server in (servers.plain, servers.speculative):
+        for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("http_requests_total{"):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+                handler = labels["handler"]
+                counts[handler] = counts.get(handler, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def requests_since(servers: Servers, before: dict[str, float], expected: dict[str, float]) -> Any:
+    """The requests the servers answered since ``before``; waits (up to 30 s) for them to
+    reach ``expected``, since vLLM counts a stream once it has sent its end."""
+    deadline = time.monotonic() + 30
+    while True:
+        now = requests_answered(servers)
+        seen = {k: now[k] - before.get(k, 0.0) for k in now if now[k] != before.get(k, 0.0)}
+        if seen == expected or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.2)
+
+
+def test_a_request_reaches_vllm_with_one_round_trip_before_generation(
+    gateway: LiveGateway,
+    vllm: Servers,
+    chat_case: tuple[list[dict[str, str]], dict[str, Any]],
+    completion_case: tuple[str, dict[str, Any]],
+) -> None:
+    """With ``model_dir`` the gateway decodes the rendered prompt and tokenizes completion
+    prompts with the model's tokenizer (checked against the server at start-up): a chat costs
+    vLLM one ``/tokenize`` before the generation, not also a ``/detokenize``; a completion
+    prompt nothing before it. The answers stay vLLM's own."""
+    messages, own = chat_case
+    api = client(gateway)
+    before = requests_answered(vllm)
+    reply = api.chat.completions.create(model=SERVED, messages=messages, max_tokens=24,  # type: ignore[arg-type]
+                                        temperature=0)  # fmt: skip
+    assert reply.choices[0].message.content == own["choices"][0]["message"]["content"]
+    expected = {"/tokenize": 1.0, "/v1/completions": 1.0}
+    assert requests_since(vllm, before, expected) == expected
+    prompt, own_completion = completion_case
+    before = requests_answered(vllm)
+    answer = api.completions.create(model=SERVED, prompt=prompt, max_tokens=24, temperature=0)
+    assert answer.choices[0].text == own_completion["choices"][0]["text"]
+    assert requests_since(vllm, before, {"/v1/completions": 1.0}) == {"/v1/completions": 1.0}
+
+
+def test_the_chat_prompt_commitment_is_to_the_servers_own_text(
+    gateway: LiveGateway,
+    vllm: Servers,
+    chat_case: tuple[list[dict[str, str]], dict[str, Any]],
+) -> None:
+    """The `request` event commits to vLLM's own ``/detokenize`` of its rendered prompt,
+    whether that text came from the server or from the tokenizer beside the gateway."""
+    messages, _ = chat_case
+    client(gateway).chat.completions.create(model=SERVED, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+    ids = direct(vllm.plain, "/tokenize", {"messages": messages, "add_generation_prompt": True})
+    text = direct(vllm.plain, "/detokenize", {"tokens": ids["tokens"]})["prompt"]
+    request = payloads(gateway, "request")[-1]
+    commitments = gateway.services.privacy.deployment_commitments
+    assert request["prompt_commitment"] == commitments.commit(text_bytes(text))
+    assert request["prompt_tokens"] == len(ids["tokens"])
+
+
+def test_a_tokenizer_that_answers_otherwise_is_not_used(vllm: Servers, tmp_path: Path) -> None:
+    """A ``model_dir`` whose tokenizer encodes the probe otherwise than the server (its
+    merges dropped) is not used: the gateway asks the server, and its answers and records
+    stay the server's."""
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(vllm.model, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    tokenizer["model"]["merges"] = []
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    version = model_version(vllm.model)
+    with fresh_database() as (name, url):
+        settings = Settings(
+            backend={
+                "kind": "vllm",
+                "vllm_servers": [
+                    {"url": vllm.plain.url, "model_version": version, "model_dir": other}
+                ],
+            },
+            database_url=url,
+            data_dir=tmp_path / "data",
+            log_format="console",
+        )
+        with live_gateway(settings, name, load_configured_backend) as gateway:
+            api = client(gateway)
+            before = requests_answered(vllm)
+            api.completions.create(model=SERVED, prompt=PROMPT, max_tokens=4, temperature=0)
+            expected = {"/tokenize": 1.0, "/v1/completions": 1.0}
+            assert requests_since(vllm, before, expected) == expected
+            messages = [{"role": "user", "content": CHATS[0]}]
+            before = requests_answered(vllm)
+            api.chat.completions.create(model=SERVED, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+            expected = {"/tokenize": 1.0, "/detokenize": 1.0, "/v1/completions": 1.0}
+            assert requests_since(vllm, before, expected) == expected
 
 
 def test_a_killed_replica_is_taken_out(gateway: LiveGateway, vllm: Servers) -> None:

@@ -1,11 +1,13 @@
 """The vLLM backend's parts that need no server: settings, egress, manifest, wire parsing,
 interval attribution and replica routing. The backend itself is tested against real vLLM
-servers in test_backend_vllm.py."""
+servers in test_backend_vllm.py (the tokenizer check here stands a tokenizer in for the
+server's)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -17,11 +19,13 @@ from engine.versioning import MANIFEST_NAME, model_version, read_manifest, write
 from gateway.backends.vllm import served_artefacts, specgate_method
 from gateway.backends.vllm_acceptance import IntervalAttribution, split
 from gateway.backends.vllm_replicas import Replica, Replicas
+from gateway.backends.vllm_tokenizer import PROBE_TEXT, LocalTokenizer, disagreement
 from gateway.backends.vllm_wire import WireError, parse_event, spec_counters, token_logprobs
 from gateway.cli import app as cli
 from gateway.observability.egress import EgressRefusedError
 from gateway.observability.telemetry import check_egress
 from gateway.settings import ConfigError, Settings, load_settings, vllm_backend_from_flags
+from tests.tiny_models import build_tokenizer
 
 VERSION = "sha256:" + "cd" * 32
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
@@ -274,3 +278,36 @@ def test_least_outstanding_requests_and_healthy_replicas_only() -> None:
     restored = b.put_back()
     assert restored is not None and restored.action == "restored"
     assert replicas.pick("plain") is b
+
+
+def saved_tokenizer(folder: Path, drop_merges: bool = False) -> LocalTokenizer:
+    build_tokenizer().save_pretrained(folder)
+    if drop_merges:
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        spec["model"]["merges"] = []
+        (folder / "tokenizer.json").write_text(json.dumps(spec))
+    local = LocalTokenizer.load(folder)
+    assert local is not None
+    return local
+
+
+def test_the_local_tokenizer_is_used_only_where_it_answers_as_the_server(tmp_path: Path) -> None:
+    """The probe: the same files agree; a tokenizer encoding otherwise is named as such; one
+    that decodes otherwise (here: the server's decode drops special tokens) too."""
+    server = saved_tokenizer(tmp_path / "server")
+    same = saved_tokenizer(tmp_path / "same")
+    assert disagreement(same, server.encode, server.decode) is None
+    other = saved_tokenizer(tmp_path / "other", drop_merges=True)
+    assert other.encode(PROBE_TEXT) != server.encode(PROBE_TEXT)
+    assert disagreement(other, server.encode, server.decode) == "the probe text's token ids differ"
+    special = set(server.special_ids)
+    assert special
+
+    def without_special(ids: Sequence[int]) -> str:
+        return server.decode([i for i in ids if i not in special])
+
+    assert disagreement(same, server.encode, without_special) == "the probe ids' text differs"
+
+
+def test_a_folder_without_a_tokenizer_gives_none(tmp_path: Path) -> None:
+    assert LocalTokenizer.load(tmp_path) is None

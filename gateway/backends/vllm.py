@@ -1,10 +1,14 @@
 """vLLM OpenAI-compatible servers as a ``GenerationBackend``.
 
 The gateway keeps doing what it does for the built-in engine (auth, templating checks, the
-`request`/`completion` events, the OpenAI wire format); vLLM generates. Prompts are rendered
-and tokenized by the server itself (``/tokenize``, ``/detokenize``), so the token ids the
-gateway records and sends are exactly those vLLM's own chat endpoint would use, with no
-second copy of the tokenizer or template to drift from the server's. Generation goes to
+`request`/`completion` events, the OpenAI wire format); vLLM generates. Chat prompts are
+rendered and tokenized by the server itself (``/tokenize``), so the token ids the gateway
+records and sends are exactly those vLLM's own chat endpoint would use, with no second copy
+of the template to drift from the server's. The prompt's text (for the `request` event's
+commitment) is the server's ``/detokenize`` of those ids, or the same decode done by the
+model's tokenizer beside the gateway where a ``model_dir`` gives it and a start-up probe shows
+it answering as the server does (``gateway.backends.vllm_tokenizer``): one round trip before
+generation instead of two, none for a completion prompt. Generation goes to
 ``/v1/completions`` with those ids (``gateway.backends.vllm_wire``).
 
 Routing: replicas form a ``speculative`` and a ``plain`` pool; a request goes to the least
@@ -36,6 +40,7 @@ from engine.types import (
     BackendUnavailableError,
     CompiledConstraint,
     Constraint,
+    EngineError,
     FallbackEvent,
     FinishReason,
     GenerationRequest,
@@ -50,6 +55,7 @@ from engine.versioning import read_manifest
 from gateway.backends.base import BackendCard, BackendHealth
 from gateway.backends.vllm_acceptance import IntervalAttribution, SpecFigures
 from gateway.backends.vllm_replicas import Pool, Replica, ReplicaEvent, Replicas
+from gateway.backends.vllm_tokenizer import LocalTokenizer, disagreement
 from gateway.backends.vllm_wire import (
     WireError,
     completion_body,
@@ -166,6 +172,7 @@ class VllmBackend:
         self._events_lock = threading.Lock()
         self._vllm_name, max_context = self._discover(settings)
         self._card = self._make_card(settings, max_context)
+        self._tokenizer = self._checked_tokenizer(settings)
         method = self._card.default_method
         self._spec_method: Method | None = method if method != "none" else None
         thresholds: dict[Method, float | None] = {}
@@ -253,6 +260,22 @@ class VllmBackend:
             default_num_speculative_tokens=int(k) if isinstance(k, int) else None,
             artefacts=served_artefacts(speculative),
         )
+
+    def _checked_tokenizer(self, settings: Settings) -> LocalTokenizer | None:
+        """The tokenizer beside the first ``model_dir``, where it answers the probe as a
+        server does (``gateway.backends.vllm_tokenizer``); else None: ask the server."""
+        model_dir = next((s.model_dir for s in settings.backend.vllm_servers if s.model_dir), None)
+        local = LocalTokenizer.load(model_dir) if model_dir is not None else None
+        if local is None:
+            return None
+        try:
+            problem = disagreement(local, self._server_tokenize, self._server_detokenize)
+        except EngineError as error:
+            problem = f"the probe failed: {error}"
+        if problem is not None:
+            log.warning("vllm_local_tokenizer_not_used", model_dir=str(model_dir), reason=problem)
+            return None
+        return local
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -375,13 +398,23 @@ class VllmBackend:
         }
         if tools:
             body["tools"] = list(tools)
-        tokens = self._post_sync("/tokenize", body)["tokens"]
-        text = self._post_sync("/detokenize", {"model": self._vllm_name, "tokens": tokens})
-        return str(text["prompt"]), tuple(int(t) for t in tokens)
+        tokens = tuple(int(t) for t in self._post_sync("/tokenize", body)["tokens"])
+        if self._tokenizer is not None:
+            return self._tokenizer.decode(tokens), tokens
+        return self._server_detokenize(tokens), tokens
 
     def tokenize(self, text: str) -> tuple[int, ...]:
+        if self._tokenizer is not None:
+            return self._tokenizer.encode(text)
+        return self._server_tokenize(text)
+
+    def _server_tokenize(self, text: str) -> tuple[int, ...]:
         body = {"model": self._vllm_name, "prompt": text, "add_special_tokens": True}
         return tuple(int(t) for t in self._post_sync("/tokenize", body)["tokens"])
+
+    def _server_detokenize(self, tokens: Sequence[int]) -> str:
+        body = {"model": self._vllm_name, "tokens": list(tokens)}
+        return str(self._post_sync("/detokenize", body)["prompt"])
 
     def compile_constraint(self, constraint: Constraint) -> CompiledConstraint:
         """The constraint's syntax checked with llguidance (vLLM compiles it against its own
