@@ -53,6 +53,7 @@ class VllmServer:
     log_path: Path
     speculative_config: dict[str, object] | None = None
     max_model_len: int = MAX_MODEL_LEN
+    dtype: str = "float32"
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     startup_s: float = 0.0
@@ -75,7 +76,7 @@ class VllmServer:
             "--port",
             str(self.port),
             "--dtype",
-            "float32",
+            self.dtype,
             "--max-model-len",
             str(self.max_model_len),
             "--max-num-seqs",
