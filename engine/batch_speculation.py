@@ -41,13 +41,11 @@ class RecentMedian:
 
     def __init__(self, size: int) -> None:
         self._samples: deque[float] = deque(maxlen=size)
+        self.value: float | None = None  # kept up to date: the choice of k reads it often
 
     def update(self, sample: float) -> None:
         self._samples.append(sample)
-
-    @property
-    def value(self) -> float | None:
-        return statistics.median(self._samples) if self._samples else None
+        self.value = statistics.median(self._samples)
 
 
 class StepCosts:
