@@ -128,7 +128,9 @@ class BatchSpeculation:
         candidates: list[Candidate | None] = [_candidate(seq) for seq in sequences]
         present = [c for c in candidates if c is not None]
         k = best_length(present, _at_batch(self.steps, batch), self.last_k, self.SWITCH_MARGIN)
-        self.last_k = k if present else None
+        # A step where no sequence may propose (none, or all at their last token: a request
+        # alone ends so) sets no incumbent: the next request's choice starts fresh.
+        self.last_k = k if any(c.cap > 0 or c.forced for c in present) else None
         chosen = [0 if c is None else c.proposes(k) for c in candidates]
         adaptive = [
             i for i, c in enumerate(candidates) if c is not None and c.forced is None and c.cap > 0

@@ -188,3 +188,22 @@ def test_a_stalled_step_does_not_move_the_step_cost() -> None:
         steps.record(4, 1, 0.1)
     steps.record(4, 1, 5.0)  # descheduled for five seconds on a shared machine
     assert steps.seconds(4, 1) == 0.1
+
+
+def test_a_request_that_ended_alone_leaves_the_next_one_a_fresh_choice() -> None:
+    """The last step of a request alone can propose nothing (k = 0 by its cap); the margin
+    that keeps a running batch's k must not then hold the next request at plain steps."""
+    costs = PassCosts()
+    costs.record_proposer("ngram", 0.0)
+    history = RunLengths(16)
+    for accepted in (0, 1) * 10:
+        history.record(1, accepted)
+    fresh = ngram(StepCosts(costs), history, prior=0.5)
+    survival = fresh.speculation.length.survival()[0]  # type: ignore[union-attr]
+    # One proposed token pays 3 % better than a plain step: less than the switching margin.
+    steps = NoisySteps(costs, 0.1, 0.1 * (1.0 + survival) / 1.03)
+    steps.wobble = 0.0
+    chooser = BatchSpeculation(steps)
+    ending = Sequence(fresh.speculation, 0, 1)  # one token left: it may propose none
+    assert chooser.lengths([ending]) == [0]
+    assert chooser.lengths([fresh]) == BatchSpeculation(steps).lengths([fresh]) == [1]
