@@ -3,23 +3,37 @@ scales with concurrent clients, per speculation method.
 
     python -m bench.concurrency [--target DIR --draft DIR] [--clients 1,2,4,8,16]
                                 [--methods none,ngram,draft] [--requests-per-client 2]
-                                [--max-tokens 48] [--long-prompt-tokens 2000] [--json FILE]
+                                [--max-tokens 48] [--repeats 3] [--long-prompt-tokens 2000]
+                                [--dtype auto] [--vllm] [--json FILE]
 
-Serves the real app (uvicorn on 127.0.0.1, scratch SQLite audit) and, for each method and
-each number of clients, runs that many streaming clients at once over a fixed mix (the
-built-in ``chat`` prompts, in turn), greedy so every method produces the same tokens. Per
-point: total completion tokens/s, mean per-request tokens/s, p50/p99 latency and time to
-first token. After the sweep, the engine's speculation crossover per method (the batch size
-at which it stops speculating, ``specgate_speculation_crossover_batch_size`` in ``/metrics``).
-Then the head-of-line check: one short request sent while a prompt of
-``--long-prompt-tokens`` tokens is being prefilled; its time to first token. Points run in
-one process, side by side; the 1-minute load average is reported with them.
+The recommended run (about 11 minutes on a quiet 2-core machine, vLLM's startup included)::
+
+    OMP_WAIT_POLICY=PASSIVE python -m bench.concurrency --draft ~/.cache/specgate/demo/draft \
+        --clients 1,2,4,8,16 --methods none,ngram,draft --requests-per-client 2 \
+        --max-tokens 32 --repeats 3 --long-prompt-tokens 2000 --vllm --json concurrency.json
+
+Serves the real app (uvicorn on 127.0.0.1, scratch SQLite audit) and, for each number of
+clients, runs that many streaming clients at once over a fixed mix (the built-in ``chat``
+prompts, in turn), greedy so every method produces the same tokens, once per method back to
+back. Per point: total completion tokens/s, mean per-request tokens/s, p50/p99 latency and
+time to first token. ``--repeats N`` runs the whole sweep N times, the methods' order rotated
+each time (so none of them always runs first, after the warm-up, or last), and the verdict
+on "speculation never slower than plain" is per number of clients the median over the
+repeats of the ratio method / plain tokens/s, each ratio from one repeat's back-to-back
+points: a load that drifts moves both sides of a ratio alike, and one disturbed point moves
+one ratio, not the median. After the sweep, the engine's speculation crossover per method
+(the batch size at which a fresh batch stops speculating,
+``specgate_speculation_crossover_batch_size`` in ``/metrics``). Then the head-of-line check:
+one short request sent while a prompt of ``--long-prompt-tokens`` tokens is being
+prefilled; its time to first token. The 1-minute load average is reported with them.
 
 ``--vllm`` also starts vLLM's CPU build (``bench.vllm_server``, from ``.venv-vllm``) on the
-target's weights and runs the same clients over the same mix against it, plain decoding, in
-the same run after the local sweep: points with ``"server": "vllm"`` beside the local ones.
-Another server plugs in instead of the local app with ``--base-url URL --api-key KEY --model
-NAME``.
+target's weights, in the dtype the local engine serves them in (``--dtype``, by default the
+engine's own choice, ``auto``), after the local app has stopped (the two never share the
+cores), and runs the same clients over the same mix against it, plain decoding, as many
+repeats: points with ``"server": "vllm"``, and per number of clients the median local plain
+tokens/s over vLLM's. Another server plugs in instead of the local app with ``--base-url URL
+--api-key KEY --model NAME``.
 """
 
 from __future__ import annotations
@@ -48,6 +62,7 @@ class Point:
     server: str
     method: str
     clients: int
+    repeat: int
     requests: int
     total_tokens_per_s: float
     per_request_tokens_per_s: float
@@ -117,6 +132,7 @@ async def sweep_point(
     clients: int,
     per_client: int,
     max_tokens: int,
+    repeat: int,
 ) -> Point:
     mix = chat_mix()
 
@@ -136,6 +152,7 @@ async def sweep_point(
         server=server,
         method=method,
         clients=clients,
+        repeat=repeat,
         requests=len(results),
         total_tokens_per_s=round(sum(t.tokens for t in results) / wall, 2),
         per_request_tokens_per_s=round(
@@ -206,43 +223,147 @@ def client_for(server: Server) -> httpx.AsyncClient:
 async def sweep(args: argparse.Namespace, server: Server, methods: list[str]) -> list[Point]:
     points = []
     async with client_for(server) as client:
-        await one_request(client, server.model, chat_mix()[0], methods[0], 4)  # warm-up
-        # Methods inner: each number of clients runs every method back to back, so their
-        # ratio is measured side by side on a machine whose load drifts.
-        for clients in (int(c) for c in args.clients.split(",")):
-            for method in methods:
-                point = await sweep_point(
-                    client,
-                    server.name,
-                    server.model,
-                    method,
-                    clients,
-                    args.requests_per_client,
-                    args.max_tokens,
-                )
-                print(json.dumps(asdict(point)), flush=True)
-                points.append(point)
+        for method in methods:  # warm-up: every method's first request off the clock
+            await one_request(client, server.model, chat_mix()[0], method, 4)
+        for repeat in range(args.repeats):
+            # Methods inner: each number of clients runs every method back to back, so their
+            # ratio is measured side by side on a machine whose load drifts; the order turns
+            # by one method per repeat.
+            turn = repeat % len(methods)
+            order = methods[turn:] + methods[:turn]
+            for clients in (int(c) for c in args.clients.split(",")):
+                for method in order:
+                    point = await sweep_point(
+                        client,
+                        server.name,
+                        server.model,
+                        method,
+                        clients,
+                        args.requests_per_client,
+                        args.max_tokens,
+                        repeat,
+                    )
+                    print(json.dumps(asdict(point)), flush=True)
+                    points.append(point)
     return points
 
 
-async def run(args: argparse.Namespace, server: Server) -> dict[str, object]:
-    """The sweep of ``server`` (every ``--methods``), its crossovers and head-of-line check."""
+def _throughput(points: list[Point], method: str) -> dict[tuple[int, int], float]:
+    """Total tokens/s by (clients, repeat) of one method's points."""
+    return {(p.clients, p.repeat): p.total_tokens_per_s for p in points if p.method == method}
+
+
+@dataclass
+class Speedup:
+    """One method against plain at one number of clients: each repeat's ratio of total
+    tokens/s (back-to-back points) and their median."""
+
+    ratios: list[float]
+    median: float
+
+
+def speedups(points: list[Point], baseline: str = "none") -> dict[str, dict[int, Speedup]]:
+    """Per method besides ``baseline`` and per number of clients, its ``Speedup``."""
+    plain = _throughput(points, baseline)
+    found: dict[str, dict[int, Speedup]] = {}
+    for method in sorted({p.method for p in points} - {baseline}):
+        per_level: dict[int, list[float]] = {}
+        for (clients, repeat), rate in sorted(_throughput(points, method).items()):
+            base = plain.get((clients, repeat))
+            if base:
+                per_level.setdefault(clients, []).append(round(rate / base, 3))
+        if per_level:
+            found[method] = {
+                clients: Speedup(ratios, round(statistics.median(ratios), 3))
+                for clients, ratios in per_level.items()
+            }
+    return found
+
+
+def never_slower(ratios: dict[str, dict[int, Speedup]]) -> dict[str, dict[str, object]]:
+    """The goal's verdict per method: every number of clients has a median ratio of at least
+    1 (the slowest such median is given either way)."""
+    verdict: dict[str, dict[str, object]] = {}
+    for method, levels in ratios.items():
+        worst = min(levels, key=lambda clients: levels[clients].median)
+        verdict[method] = {
+            "never_slower": all(level.median >= 1.0 for level in levels.values()),
+            "slowest_clients": worst,
+            "slowest_median_ratio": levels[worst].median,
+        }
+    return verdict
+
+
+def against_vllm(local: list[Point], vllm: list[Point]) -> dict[int, float]:
+    """Per number of clients: the median of local plain tokens/s over the median of vLLM's."""
+    ratios = {}
+    for clients in sorted({p.clients for p in vllm}):
+        ours = [p.total_tokens_per_s for p in local if p.method == "none" and p.clients == clients]
+        theirs = [p.total_tokens_per_s for p in vllm if p.clients == clients]
+        if ours and theirs:
+            ratios[clients] = round(statistics.median(ours) / statistics.median(theirs), 3)
+    return ratios
+
+
+def summary(
+    result: dict[str, object],
+    ratios: dict[str, dict[int, Speedup]],
+    versus_vllm: dict[int, float] | None,
+) -> str:
+    """The verdicts in a few lines: per method the median speedup over plain per number of
+    clients, the crossover, and plain against vLLM where it ran."""
+    lines = [f"load average (1 min) {result['load_average_1m']}, repeats {result['repeats']}"]
+    crossover = result["speculation_crossover_batch_size"]
+    assert isinstance(crossover, dict)
+    for method, levels in ratios.items():
+        medians = ", ".join(f"{c}: {level.median}x" for c, level in levels.items())
+        slower = [c for c, level in levels.items() if level.median < 1.0]
+        verdict = "never slower" if not slower else f"SLOWER at {slower} clients"
+        lines.append(
+            f"{method} / plain, median tokens/s by clients: {medians} ({verdict}; "
+            f"crossover {crossover.get(method, 'n/a')})"
+        )
+    if versus_vllm is not None:
+        shown = ", ".join(f"{c}: {r}x" for c, r in versus_vllm.items())
+        lines.append(f"plain / vLLM ({result.get('vllm_dtype')}), median tokens/s: {shown}")
+    lines.append(
+        f"short request behind a {result['long_prompt_tokens']}-token prompt: first token after "
+        f"{result['short_request_ttft_behind_long_prompt_s']} s"
+    )
+    return "\n".join(lines)
+
+
+async def run(
+    args: argparse.Namespace, server: Server
+) -> tuple[dict[str, object], list[Point]]:
+    """The sweep of ``server`` (every ``--methods``), its crossovers and head-of-line check;
+    the report and the points."""
     points = await sweep(args, server, args.methods.split(","))
     async with client_for(server) as client:
         crossover = await crossovers(client)
         ttft = await head_of_line(client, server.model, args.long_prompt_tokens)
+    ratios = speedups(points)
     return {
         "load_average_1m": round(os.getloadavg()[0], 2),
+        "repeats": args.repeats,
         "points": [asdict(point) for point in points],
+        "speedup_over_plain": {
+            method: {str(c): asdict(level) for c, level in levels.items()}
+            for method, levels in ratios.items()
+        },
+        "never_slower_than_plain": never_slower(ratios),
         "speculation_crossover_batch_size": crossover,
         "short_request_ttft_behind_long_prompt_s": ttft,
         "long_prompt_tokens": args.long_prompt_tokens,
-    }
+    }, points
 
 
-def vllm_sweep(args: argparse.Namespace, target: Path, scratch: Path) -> dict[str, object]:
-    """vLLM's CPU build on ``target``'s weights, the same clients and mix, plain decoding."""
-    server = VllmServer(target, "bench-vllm", scratch / "vllm.log")
+def vllm_sweep(
+    args: argparse.Namespace, target: Path, dtype: str, scratch: Path
+) -> tuple[dict[str, object], list[Point]]:
+    """vLLM's CPU build on ``target``'s weights in ``dtype``, the same clients and mix,
+    plain decoding."""
+    server = VllmServer(target, "bench-vllm", scratch / "vllm.log", dtype=dtype)
     if args.port:  # the port after the local app's
         server.port = args.port + 1
     server.start()
@@ -253,11 +374,12 @@ def vllm_sweep(args: argparse.Namespace, target: Path, scratch: Path) -> dict[st
     finally:
         server.stop()
     return {
+        "vllm_dtype": dtype,
         "vllm_command": " ".join(server.command()[1:]),
         "vllm_startup_s": round(server.startup_s, 1),
         "vllm_load_average_1m": round(os.getloadavg()[0], 2),
         "vllm_points": [asdict(point) for point in points],
-    }
+    }, points
 
 
 def main() -> None:
@@ -270,6 +392,12 @@ def main() -> None:
     parser.add_argument("--methods", default="none,ngram,draft")
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="sweeps, the methods' order rotated each time"
+    )
+    parser.add_argument(
+        "--dtype", default="auto", help="the local engine's dtype; vLLM gets the one it serves"
+    )
     parser.add_argument("--long-prompt-tokens", type=int, default=2000)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument(
@@ -284,8 +412,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
 
+    versus_vllm = None
     if args.base_url:
-        result = asyncio.run(run(args, Server("remote", args.base_url, args.api_key, args.model)))
+        remote = Server("remote", args.base_url, args.api_key, args.model)
+        result, points = asyncio.run(run(args, remote))
     else:
         with tempfile.TemporaryDirectory(prefix="specgate-concurrency-") as scratch:
             settings = load_settings(
@@ -297,16 +427,24 @@ def main() -> None:
                 log_level="warning",
                 max_num_seqs=args.max_num_seqs,
                 max_queue=256,
+                dtype=args.dtype,
             )
             with serving(settings, port=args.port) as (base_url, services):
                 _, api_key = services.keys.create("app", "bench-concurrency", "bench")
                 model = services.backend.card.model_name
-                result = asyncio.run(run(args, Server("specgate", base_url, api_key, model)))
+                served = str(services.backend.engine.target_dtype).removeprefix("torch.")
+                local = Server("specgate", base_url, api_key, model)
+                result, points = asyncio.run(run(args, local))
+                result["dtype"] = served
                 services.keys.revoke("bench-concurrency", "bench")
             if args.vllm:  # after the local app has stopped: the two never share the cores
                 target = args.target or default_demo_dir() / "target"
-                result |= vllm_sweep(args, target, Path(scratch))
+                remote_result, remote_points = vllm_sweep(args, target, served, Path(scratch))
+                versus_vllm = against_vllm(points, remote_points)
+                result |= remote_result
+                result["plain_over_vllm"] = {str(c): r for c, r in versus_vllm.items()}
     print(json.dumps(result, indent=2))
+    print(summary(result, speedups(points), versus_vllm))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

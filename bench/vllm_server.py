@@ -53,6 +53,7 @@ class VllmServer:
     log_path: Path
     speculative_config: dict[str, object] | None = None
     max_model_len: int = MAX_MODEL_LEN
+    dtype: str = "float32"
     port: int = field(default_factory=free_port)
     # CPUs to run every process of the server on (``taskset -c``), e.g. "0"; None: all.
     cpus: str | None = None
@@ -79,7 +80,7 @@ class VllmServer:
             "--port",
             str(self.port),
             "--dtype",
-            "float32",
+            self.dtype,
             "--max-model-len",
             str(self.max_model_len),
             "--max-num-seqs",

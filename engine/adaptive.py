@@ -61,6 +61,7 @@ class PassCosts:
     def __init__(self) -> None:
         self._target: dict[int, Ewma] = {}
         self._proposer: dict[str, Ewma] = {}
+        self._catch_up: dict[str, Ewma] = {}
         self._lock = threading.Lock()
 
     def record_target(self, tokens: int, seconds: float) -> None:
@@ -71,10 +72,33 @@ class PassCosts:
         with self._lock:
             self._proposer.setdefault(method, Ewma(self.WEIGHT)).update(seconds)
 
+    def record_catch_up(self, method: str, rows: int, seconds: float) -> None:
+        """A pass that fed a proposer ``rows`` committed tokens it had not seen (a draft
+        model's cache catching up after plain steps), without proposing."""
+        if rows > 0:
+            with self._lock:
+                self._catch_up.setdefault(method, Ewma(self.WEIGHT)).update(seconds / rows)
+
     def proposer(self, method: str) -> float:
         with self._lock:
             ewma = self._proposer.get(method)
             return ewma.value if ewma is not None and ewma.value is not None else 0.0
+
+    def catch_up(self, method: str, rows: int) -> float:
+        """Seconds for the proposer to catch up ``rows`` tokens in one pass: as measured per
+        row, or before any such pass, its one-token pass scaled by what ``rows`` tokens cost
+        the target against one (the same architecture's shape)."""
+        if rows <= 0:
+            return 0.0
+        with self._lock:
+            ewma = self._catch_up.get(method)
+            per_row = ewma.value if ewma is not None else None
+        if per_row is not None:
+            return rows * per_row
+        one, many = self.target(1), self.target(rows)
+        if not one or many is None:
+            return rows * self.proposer(method)
+        return self.proposer(method) * many / one
 
     def target(self, tokens: int) -> float | None:
         """Seconds for a pass of ``tokens``, interpolated between measured sizes, and never
@@ -121,6 +145,11 @@ class RunLengths:
         self.longest = 0  # the longest run of accepted tokens any step has shown
 
     def record(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            # A plain step says nothing about the proposer: it must not age the evidence (a
+            # batch that ran plain for a while forgot its method's curve and speculated again
+            # on the prior alone).
+            return
         if self.decay < 1.0:
             self.at_risk = [n * self.decay for n in self.at_risk]
             self.stopped = [n * self.decay for n in self.stopped]
@@ -159,6 +188,11 @@ class Candidate:
     proposer_seconds: float  # per proposed token
     cap: int  # the most it may propose in this step
     forced: int | None = None  # proposes exactly this many (a fixed k, a replayed schedule)
+    # Seconds its proposer spends once before it can propose again (a draft model catching
+    # up on what it skipped during plain steps), shared out over the ``tokens_left`` it may
+    # still commit.
+    resume_seconds: float = 0.0
+    tokens_left: int = 1
 
     def proposes(self, k: int) -> int:
         return self.forced if self.forced is not None else min(k, self.cap)
@@ -167,14 +201,33 @@ class Candidate:
         """Expected tokens this step commits for the sequence when it proposes ``k``."""
         return 1.0 + sum(self.survival[:k])
 
+    def overhead(self, k: int) -> float:
+        """Proposer seconds this step when it proposes ``k``: ``k`` proposal tokens, and the
+        share of a pending catch-up that falls to one of the steps it has left (about
+        ``tokens_left`` over the expected tokens per step)."""
+        proposed = self.proposes(k)
+        if proposed <= 0:
+            return 0.0
+        resume = self.resume_seconds * self.expected(proposed) / max(self.tokens_left, 1)
+        return proposed * self.proposer_seconds + resume
 
-def best_length(candidates: list[Candidate], pass_seconds: Callable[[int], float | None]) -> int:
+
+def best_length(
+    candidates: list[Candidate],
+    pass_seconds: Callable[[int], float | None],
+    incumbent: int | None = None,
+    margin: float = 0.0,
+) -> int:
     """The proposal length k that maximises the expected tokens per second of one pass over
     ``candidates`` (each feeds its last token and ``proposes(k)`` nodes; ``pass_seconds(w)``
     is the pass's cost when the widest sequence feeds w rows, the others padded to it), plus
     the proposers' time; 0 means plain steps pay best. Alone, this is one request's adaptive
     k; in a batch every sequence is padded to the widest, so the length is chosen for all
-    together: a sequence proposing k makes the whole pass k + 1 rows wide."""
+    together: a sequence proposing k makes the whole pass k + 1 rows wide.
+
+    ``incumbent`` (the k chosen last) is kept unless another k is more than ``margin``
+    better: the rates rest on timings of a shared machine, and a choice that flips with
+    every noisy sample pays for both (a draft that resumes must first catch up)."""
     if not candidates:
         return 0
     floor = max((c.forced for c in candidates if c.forced is not None), default=0)
@@ -182,16 +235,19 @@ def best_length(candidates: list[Candidate], pass_seconds: Callable[[int], float
     plain = pass_seconds(floor + 1)
     if plain is None:
         return widest  # nothing measured yet: every pass costs the same
-    best_k, best_rate = floor, -1.0
+    rates: dict[int, float] = {}
     for k in range(floor, widest + 1):
         proposed = [c.proposes(k) for c in candidates]
         tokens = sum(c.expected(n) for c, n in zip(candidates, proposed, strict=True))
         seconds = (pass_seconds(max(proposed) + 1) or plain) + sum(
-            n * c.proposer_seconds for c, n in zip(candidates, proposed, strict=True)
+            c.overhead(k) for c in candidates
         )
-        rate = tokens / seconds if seconds > 0 else float("inf")
-        if rate > best_rate:
-            best_k, best_rate = k, rate
+        rates[k] = tokens / seconds if seconds > 0 else float("inf")
+    best_k = max(rates, key=lambda k: (rates[k], -k))
+    if incumbent is not None:
+        kept = min(max(incumbent, floor), widest)
+        if rates[kept] * (1.0 + margin) >= rates[best_k]:
+            return kept
     return best_k
 
 

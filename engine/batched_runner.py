@@ -51,7 +51,14 @@ class BatchedRunner:
     def forward(self, feeds: list[Feed], last_only: bool = False) -> list[torch.Tensor]:
         """Run every feed; float32 logits ``[rows, vocab]`` per feed (``[1, vocab]`` with
         ``last_only``, which is for prefill chunks of one feed)."""
+        if last_only and len(feeds) != 1:
+            raise ValueError("last_only passes take one feed")
         return self._pass(feeds, last_only, want_hidden=False)[0]
+
+    def fill(self, feeds: list[Feed]) -> None:
+        """Store every feed's rows in its slot's cache, in one pass, computing no logits (a
+        cache catching up on tokens whose predictions nobody needs)."""
+        self._pass(feeds, True, want_hidden=False)
 
     def forward_hidden(self, feeds: list[Feed]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``forward`` of every row, with each feed's last hidden states ``[rows, hidden]``
@@ -78,8 +85,6 @@ class BatchedRunner:
         self, feeds: list[Feed], last_only: bool, want_hidden: bool
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         batch, rows = len(feeds), max(len(feed.tokens) for feed in feeds)
-        if last_only and batch != 1:
-            raise ValueError("last_only passes take one feed")
         starts = [self.lengths[feed.slot] for feed in feeds]
         kv_length = max(starts) + rows
         ids = torch.zeros((batch, rows), dtype=torch.long)
@@ -128,8 +133,8 @@ class BatchedRunner:
         for feed in feeds:
             self.lengths[feed.slot] += len(feed.tokens)
         logits = out.logits.float()
-        if last_only:
-            return [logits[0]], None
+        if last_only:  # the padded batch's last row (the feed's own where there is one)
+            return [logits[b] for b in range(batch)], None
         sizes = [len(feed.tokens) for feed in feeds]
         hidden = None
         if captured:

@@ -267,7 +267,9 @@ class BatchScheduler:
                 self._start_decoding(seq)
         lengths = self.proposal_lengths.lengths(
             [
-                Sequence(seq.speculation, seq.stats.num_target_passes, seq.remaining)
+                Sequence(
+                    seq.speculation, seq.stats.num_target_passes, seq.remaining, _catch_up(seq)
+                )
                 for seq in active
             ]
         )
@@ -336,6 +338,9 @@ class BatchScheduler:
             self._record_proposer(proposer.method, started, [proposals[index]])
         for drafts, indices, requests in shared.values():
             started = time.perf_counter()
+            rows = drafts.catch_up(requests)
+            self.costs.record_catch_up("draft", rows, time.perf_counter() - started)
+            started = time.perf_counter()
             drafted = drafts.propose(requests)
             for index, proposal in zip(indices, drafted, strict=True):
                 proposals[index] = proposal
@@ -388,6 +393,15 @@ class BatchScheduler:
             seq.span.end()
             seq.span = None
         self._finish(seq)
+
+
+def _catch_up(seq: ActiveSequence) -> int:
+    """Committed tokens the sequence's proposer must feed before it can propose again (a
+    batched draft whose cache fell behind during plain steps); 0 for the others."""
+    proposer = seq.speculation.proposer if seq.speculation is not None else None
+    if isinstance(proposer, BatchedDraftProposer) and proposer.slot is not None:
+        return proposer.catch_up_rows(seq.context)
+    return 0
 
 
 def annotate(span: trace.Span, stats: GenerationStats) -> None:

@@ -9,6 +9,8 @@ The acceptance figures are those measured on the built-in chat prompts with the 
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from engine.adaptive import PassCosts, RunLengths, SpeculationLength
 from engine.batch_speculation import BatchSpeculation, Sequence, StepCosts
 from engine.decoding import Speculation
@@ -80,3 +82,128 @@ def test_a_method_without_evidence_proposes_one_token_and_reaches_further_with_i
     assert length.reach == 3
     # A new request of the method starts from the method's reach, not from one again.
     assert ngram(steps, history).speculation.length.reach == 3  # type: ignore[union-attr]
+
+
+def test_plain_steps_do_not_age_the_method_history() -> None:
+    history = RunLengths(16, decay=0.99)
+    for accepted in (2, 0, 1):
+        history.record(4, accepted)
+    before = (list(history.at_risk), list(history.stopped))
+    for _ in range(200):  # a batch that ran plain: no proposal, no evidence
+        history.record(0, 0)
+    assert (history.at_risk, history.stopped) == before
+
+
+class NoisySteps(StepCosts):
+    """Step costs at which one proposed token and a plain step pay the same, give or take a
+    noise of ``wobble`` that the test flips between steps."""
+
+    def __init__(self, costs: PassCosts, plain: float, tie_width_2: float) -> None:
+        super().__init__(costs)
+        self.plain, self.tie, self.wobble = plain, tie_width_2, 0.02
+
+    def seconds(self, batch: int, width: int) -> float | None:
+        if width == 1:
+            return self.plain
+        if width == 2:
+            return self.tie * (1.0 + self.wobble)
+        return 100.0  # wider steps never pay
+
+
+def test_the_batch_choice_does_not_flip_with_noise_in_the_step_costs() -> None:
+    costs = PassCosts()
+    costs.record_proposer("ngram", 0.0)
+    history = RunLengths(16)
+    for accepted in (0, 1) * 10:  # half the one-token proposals accepted
+        history.record(1, accepted)
+    seqs = [ngram(StepCosts(costs), history, prior=0.5) for _ in range(2)]
+    survival = seqs[0].speculation.length.survival()[0]  # type: ignore[union-attr]
+    # Two sequences at k = 1 commit 2 * (1 + S(1)) tokens per wide step: the same rate as
+    # plain steps when the wide step costs (1 + S(1)) plain ones.
+    steps = NoisySteps(costs, 0.1, 0.1 * (1.0 + survival))
+    chooser = BatchSpeculation(steps)
+    choices = []
+    for step in range(2 * chooser.PROBE_AFTER_PLAIN_STEPS):  # before any probe is due
+        steps.wobble = 0.02 if step % 2 else -0.02
+        choices.append(chooser.lengths(seqs))
+    switches = sum(1 for a, b in pairwise(choices) if a != b)
+    assert switches <= 1, choices
+
+
+def draft_sequence(costs: PassCosts, history: RunLengths, remaining: int, lag: int) -> Sequence:
+    length = SpeculationLength(16, 0.5, costs, "draft", history)
+    return Sequence(Speculation(NgramProposer(1, 4), None, length), 0, remaining, lag)
+
+
+def test_probes_of_a_lagging_draft_spend_a_bounded_share_of_plain_steps() -> None:
+    """A batch of four draft sequences that runs plain (the draft is rarely right): its
+    draft caches fall behind by a token per step, and a probe must first catch them up
+    (before, all four caught up every 33 steps: a fifth of the plain steps' time here)."""
+    costs = PassCosts()
+    costs.record_proposer("draft", 0.004)
+    costs.record_catch_up("draft", 100, 0.1)  # 1 ms per caught-up row
+    steps = StepCosts(costs)
+    steps.record(4, 1, 0.08)
+    steps.record(4, 2, 0.12)
+    history = RunLengths(16)
+    for accepted in [0] * 19 + [1]:
+        history.record(2, accepted)
+    chooser = BatchSpeculation(steps)
+    lag = [100] * 4  # the prompts, never drafted
+    plain_seconds = catch_up_seconds = 0.0
+    probes = 0
+    for _ in range(2000):
+        seqs = [draft_sequence(costs, history, 1000, rows) for rows in lag]
+        ks = chooser.lengths(seqs)
+        if any(ks):
+            assert set(ks) == {0, 1}
+            probes += 1
+            catch_up_seconds += sum(0.001 * rows for rows, k in zip(lag, ks, strict=True) if k)
+        plain_seconds += 0.08
+        lag = [0 if k else rows + 1 for rows, k in zip(lag, ks, strict=True)]
+    assert probes >= 1  # it still probes
+    assert catch_up_seconds <= BatchSpeculation.PROBE_SHARE * plain_seconds
+
+
+def test_a_draft_that_must_catch_up_resumes_only_where_the_steps_left_repay_it() -> None:
+    costs = PassCosts()
+    costs.record_proposer("draft", 0.002)
+    costs.record_catch_up("draft", 100, 0.1)
+    steps = StepCosts(costs)
+    steps.record(1, 1, 0.05)
+    steps.record(1, 2, 0.055)
+    history = RunLengths(16)
+    for accepted in [1] * 18 + [0, 0]:  # the draft is right nine times in ten
+        history.record(1, accepted)
+    # 200 rows to catch up (0.2 s) against steps that save about 0.02 s each.
+    near_end = draft_sequence(costs, history, remaining=4, lag=200)
+    far_from_it = draft_sequence(costs, history, remaining=200, lag=200)
+    assert BatchSpeculation(steps).lengths([near_end]) == [0]
+    assert BatchSpeculation(steps).lengths([far_from_it])[0] > 0
+
+
+def test_a_stalled_step_does_not_move_the_step_cost() -> None:
+    steps = StepCosts(PassCosts())
+    for _ in range(10):
+        steps.record(4, 1, 0.1)
+    steps.record(4, 1, 5.0)  # descheduled for five seconds on a shared machine
+    assert steps.seconds(4, 1) == 0.1
+
+
+def test_a_request_that_ended_alone_leaves_the_next_one_a_fresh_choice() -> None:
+    """The last step of a request alone can propose nothing (k = 0 by its cap); the margin
+    that keeps a running batch's k must not then hold the next request at plain steps."""
+    costs = PassCosts()
+    costs.record_proposer("ngram", 0.0)
+    history = RunLengths(16)
+    for accepted in (0, 1) * 10:
+        history.record(1, accepted)
+    fresh = ngram(StepCosts(costs), history, prior=0.5)
+    survival = fresh.speculation.length.survival()[0]  # type: ignore[union-attr]
+    # One proposed token pays 3 % better than a plain step: less than the switching margin.
+    steps = NoisySteps(costs, 0.1, 0.1 * (1.0 + survival) / 1.03)
+    steps.wobble = 0.0
+    chooser = BatchSpeculation(steps)
+    ending = Sequence(fresh.speculation, 0, 1)  # one token left: it may propose none
+    assert chooser.lengths([ending]) == [0]
+    assert chooser.lengths([fresh]) == BatchSpeculation(steps).lengths([fresh]) == [1]

@@ -10,8 +10,11 @@ nothing the constraints allow). Each token is drawn exactly as ``DraftModelPropo
 it (``Drafting``), from the sequence's own generator, so a sequence's draws do not depend on
 what else drafts beside it.
 
-A sequence whose draft cache lacks many tokens (the prompt, at its first proposal) catches
-up in a pass of its own first: in the padded batch its rows would widen everyone's pass.
+A sequence whose draft cache lacks many tokens (the prompt, at its first proposal, or what
+the batch committed while it ran plain steps) catches up first (``catch_up``): nothing runs
+the draft while a sequence does not propose, and when it proposes again every such sequence
+of the step catches up in one shared pass that computes no logits (in the padded batch their
+rows would widen every drafting pass).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from engine.proposers.base import Proposal
 from engine.proposers.draft import DraftHead, Drafting, agreeing_prefix
 from engine.types import Method, SamplingParams
 
-# A sequence lacking more than this many tokens in its draft cache catches up alone first.
+# A sequence lacking more than this many tokens in its draft cache catches up first.
 SHARED_PENDING_ROWS = 4
 
 
@@ -58,32 +61,55 @@ class BatchedDraft:
         self.runner.release(slot)
         self._free.append(slot)
 
+    def catch_up(self, requests: list[DraftRequest]) -> int:
+        """Feed every request's draft cache what it lacks but the last committed token (that
+        one the first drafting pass feeds), in one shared pass over those lacking more than
+        ``SHARED_PENDING_ROWS``; the rows fed (0: none needed it)."""
+        lagging = [
+            request
+            for request in requests
+            if self._can_draft(request) and request.proposer.catch_up_rows(request.context)
+        ]
+        if not lagging:
+            return 0
+        feeds = []
+        for request in lagging:
+            proposer = request.proposer
+            assert proposer.slot is not None, "start() the proposer first"
+            feeds.append(Feed(proposer.slot, request.context[len(proposer.cached) : -1]))
+        self.runner.fill(feeds)
+        for request, feed in zip(lagging, feeds, strict=True):
+            request.proposer.cached.extend(feed.tokens)
+        return sum(len(feed.tokens) for feed in feeds)
+
+    def _can_draft(self, request: DraftRequest) -> bool:
+        """Whether the request gets a proposal: room in the draft's window, and nothing its
+        draft cache lacks outside the draft's vocabulary."""
+        pending = request.context[len(request.proposer.cached) :]
+        return min(request.k, self.window - len(request.context)) > 0 and self.head.readable(
+            pending
+        )
+
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        """Every request's proposal, drafted in shared passes."""
+        """Every request's proposal, drafted in shared passes (after ``catch_up``)."""
+        self.catch_up(requests)
         proposals = [Proposal([]) for _ in requests]
         live: list[tuple[int, int, BatchedDraftProposer, list[int], Drafting]] = []
         for index, request in enumerate(requests):
             proposer, context = request.proposer, request.context
             assert proposer.slot is not None, "start() the proposer first"
-            pending = context[len(proposer.cached) :]
             proposer.agreed = len(context)
-            k = min(request.k, self.window - len(context))
-            if k <= 0 or not self.head.readable(pending):
+            if not self._can_draft(request):
                 continue
-            slot = proposer.slot
-            if len(pending) > SHARED_PENDING_ROWS:
-                self.runner.forward([Feed(slot, pending[:-1])], last_only=True)
-                proposer.cached.extend(pending[:-1])
-                pending = pending[-1:]
             drafting = Drafting(
                 self.head,
-                k,
+                min(request.k, self.window - len(context)),
                 request.params,
                 request.generator,
                 request.min_confidence,
                 request.processing,
             )
-            live.append((index, slot, proposer, pending, drafting))
+            live.append((index, proposer.slot, proposer, context[len(proposer.cached) :], drafting))
         while live:
             logits = self.runner.forward([Feed(slot, pending) for _, slot, _, pending, _ in live])
             still = []
@@ -151,6 +177,13 @@ class BatchedDraftProposer:
         """This request alone (the shared path is ``BatchedDraft.propose``)."""
         request = DraftRequest(self, context, k, params, generator, min_confidence, processing)
         return self.drafts.propose([request])[0]
+
+    def catch_up_rows(self, context: list[int]) -> int:
+        """Tokens of ``context`` a separate catch-up pass must feed before this request can
+        draft (``BatchedDraft.catch_up``): 0 while its cache lacks at most
+        ``SHARED_PENDING_ROWS`` (those ride in the first drafting pass)."""
+        pending = len(context) - len(self.cached)
+        return pending - 1 if pending > SHARED_PENDING_ROWS else 0
 
     def accepted(self, context: list[int]) -> None:
         keep = agreeing_prefix(self.cached, self.agreed, context)
