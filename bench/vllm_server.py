@@ -57,6 +57,9 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     # CPUs to run every process of the server on (``taskset -c``), e.g. "0"; None: all.
     cpus: str | None = None
+    # Off in side-by-side runs: the same prompts go through the gateway and then directly, and
+    # a prefix cache warmed by the first would favour the second.
+    prefix_caching: bool = True
     process: subprocess.Popen[bytes] | None = None
     startup_s: float = 0.0
 
@@ -88,6 +91,8 @@ class VllmServer:
             "--seed",
             "0",
         ]
+        if not self.prefix_caching:
+            cmd.append("--no-enable-prefix-caching")
         if self.speculative_config is not None:
             cmd += [
                 "--speculative-config",

@@ -26,23 +26,30 @@ they decode the rendered chat prompt with the model's tokenizer (``gateway.backe
 vllm_tokenizer``) instead of asking the server's ``/detokenize``, as an operator who mounts
 the weights beside the gateway gets.
 
-Where the processes run. By default everything shares every CPU: the vLLM servers, and this
-process, which holds the load generator, the gateways (uvicorn threads in this process) and
-their SQLite audit stores; every CPU cycle the gateway spends is then taken from vLLM, and
-the added latency counts the gateway's CPU twice (its own time and vLLM's lost time). With
-``--pin`` the vLLM servers run on CPU 0 (``taskset -c 0``: the API server, the engine core
-and its OpenMP threads) and this process on CPU 1, approximating the production layout where
-the gateway has a pod of its own; vLLM direct is measured under the same pinning (the load
-generator on CPU 1 too), so the pair still differs only by the gateway. On a 2-CPU machine
-pinning halves vLLM's CPUs, so its pinned latencies are not comparable with the unpinned
-ones: compare each run's added latency, not its seconds. The load generator sharing CPU 1
-(and the GIL) with the gateway stays a cost a separate pod would not pay.
+Where the processes run. Each gateway runs in a process of its own (``specgate serve``'s
+app under uvicorn, started by ``multiprocessing``), as it is deployed: it shares no GIL with
+the load generator. Its audit store is SQLite in its data directory, or, with ``--postgres
+URL`` (e.g. ``postgresql://postgres@127.0.0.1:5432``), a fresh PostgreSQL database per
+gateway, migrated before it starts and dropped after. By default every process shares every
+CPU: every CPU cycle a gateway spends is then taken from vLLM, and the added latency counts
+the gateway's CPU twice (its own time and vLLM's lost time). With ``--pin`` the vLLM servers
+run on CPU 0 (``taskset -c 0``: the API server, the engine core and its OpenMP threads) and
+the gateways and the load generator on CPU 1, approximating the production layout where the
+gateway has a pod of its own; vLLM direct is measured under the same pinning, so the pair
+still differs only by the gateway. On a 2-CPU machine pinning halves vLLM's CPUs, so its
+pinned latencies are not comparable with the unpinned ones: compare each run's added
+latency, not its seconds. PostgreSQL (a system service) is not pinned.
+
+The vLLM servers run without prefix caching: a pair sends the same prompts twice, and a
+cache warmed by the first route would favour the second. Within a pair the order alternates
+from one repeat to the next (gateway first, then vLLM direct first), so whatever else one
+run leaves behind for the next falls on both sides alike.
 
 It reports tokens/s (all completion tokens over the level's wall time), p50/p99 request
 latency, the acceptance rate, and the gateway's added latency over calling vLLM directly
 (p50 through the gateway over p50 direct, same server, same concurrency). Routes alternate
-level by level, for ``--repeats`` rounds, each route through the gateway to a vLLM server right
-before the same server directly, so drift hits a pair alike; the added latency is the median
+level by level, for ``--repeats`` rounds, each route through the gateway to a vLLM server next
+to the same server directly, so drift hits a pair alike; the added latency is the median
 of the pairs' ratios, and the load average is reported with every level.
 """
 
@@ -51,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -58,15 +66,17 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.audit_bench import scratch_database
 from bench.gateway_overhead import serving
 from bench.vllm_server import VllmServer
 from engine.versioning import MANIFEST_NAME, model_version, write_manifest
-from gateway.settings import DEMO_MODEL_NAME, Settings
+from gateway.settings import DEMO_MODEL_NAME, BackendSettings, Settings, VllmServerSettings
 
 PROMPTS = Path(__file__).parent / "prompts" / "code.jsonl"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
@@ -181,13 +191,14 @@ async def level(route: Route, prompts: list[list[dict[str, str]]], concurrency: 
     )
 
 
-# --pin: the vLLM servers on the first CPU, this process (load generator and gateways) on the
-# second.
+# --pin: the vLLM servers on the first CPU, this process (the load generator) and the gateways'
+# processes on the second.
 VLLM_CPUS, GATEWAY_CPUS = "0", {1}
 
 
 def pin_this_process() -> None:
-    """This process, and every thread it starts from now on, on ``GATEWAY_CPUS``."""
+    """This process (the load generator), and every thread it starts from now on, on
+    ``GATEWAY_CPUS``."""
     os.sched_setaffinity(0, GATEWAY_CPUS)
 
 
@@ -209,6 +220,7 @@ def vllm_servers(
             speculative_config=config,
             max_model_len=2048,
             cpus=cpus,
+            prefix_caching=False,
             **ports[name],  # type: ignore[arg-type]
         )
         for name, config in configs.items()
@@ -224,11 +236,50 @@ def vllm_servers(
             server.stop()
 
 
+def _serve_gateway(
+    settings: Settings, name: str, port: int, cpus: set[int] | None, conn: Connection
+) -> None:
+    """In the gateway's own process: serve, send (url, app key) back, serve until told."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    with serving(settings, port=port) as (url, services):
+        conn.send((url, services.keys.create("app", f"bench-{name}", "bench")[1]))
+        conn.recv()
+
+
+@contextmanager
+def gateway_process(
+    settings: Settings, name: str, port: int, cpus: set[int] | None
+) -> Iterator[tuple[str, str]]:
+    """A gateway serving ``settings`` in a process of its own: its URL and an app key."""
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    process = context.Process(
+        target=_serve_gateway, args=(settings, name, port, cpus, theirs), daemon=True
+    )
+    process.start()
+    try:
+        if not ours.poll(600):
+            raise RuntimeError(f"the gateway for {name} did not start")
+        url, key = ours.recv()
+        yield url, key
+    finally:
+        if process.is_alive():
+            ours.send("stop")
+            process.join(timeout=30)
+        if process.is_alive():
+            process.terminate()
+
+
 def gateway_route(
-    stack: ExitStack, name: str, settings: Settings, extra: dict[str, Any], port: int = 0
+    stack: ExitStack,
+    name: str,
+    settings: Settings,
+    extra: dict[str, Any],
+    port: int,
+    cpus: set[int] | None,
 ) -> Route:
-    url, services = stack.enter_context(serving(settings, port=port))
-    key = services.keys.create("app", f"bench-{name}", "bench")[1]
+    url, key = stack.enter_context(gateway_process(settings, name, port, cpus))
     return Route(name, url, {"authorization": f"Bearer {key}"}, DEMO_MODEL_NAME, extra, False)
 
 
@@ -239,10 +290,15 @@ def main() -> None:
     parser.add_argument("--no-draft", action="store_true", help="no draft rows")
     parser.add_argument("--no-engine", action="store_true", help="no built-in engine rows")
     parser.add_argument(
-        "--pin", action="store_true", help="vLLM on CPU 0, this process (gateways) on CPU 1"
+        "--pin", action="store_true", help="vLLM on CPU 0, the gateways and load generator on CPU 1"
     )
     parser.add_argument(
         "--port-base", type=int, default=0, help="servers on ports from N up (default: free)"
+    )
+    parser.add_argument(
+        "--postgres",
+        default=None,
+        help="a PostgreSQL server URL: a fresh database per gateway (default: SQLite)",
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -251,7 +307,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.pin:
-        pin_this_process()  # before any thread starts: the gateways' threads inherit it
+        pin_this_process()  # before any thread starts
     from engine.demo.paths import default_demo_dir
 
     target = args.target or default_demo_dir() / "target"
@@ -278,10 +334,15 @@ def main() -> None:
             "acceptance_threshold": 0.0,
         }
 
+        def store(name: str) -> str:
+            if args.postgres is None:
+                return f"sqlite:///{scratch}/{name}.db"
+            return stack.enter_context(scratch_database(args.postgres, "postgres"))
+
         def local(name: str, **speculation: Any) -> Settings:
             return Settings(target=target, served_model_name=DEMO_MODEL_NAME, dtype="float32",
-                            device="cpu", database_url=f"sqlite:///{scratch}/{name}.db",
-                            data_dir=scratch / name, **speculation, **common)  # fmt: skip
+                            device="cpu", database_url=store(name), data_dir=scratch / name,
+                            **speculation, **common)  # fmt: skip
 
         local_ngram = local("local", speculative_config=json.dumps(NGRAM))  # one engine, two routes
         plain = servers["plain"]
@@ -289,19 +350,19 @@ def main() -> None:
         def remote(name: str, method: str) -> Settings:
             speculative = servers[method]
             return Settings(
-                backend={
-                    "kind": "vllm",
-                    "vllm_servers": [
-                        {"url": plain.url, "model_version": version, "model_dir": target},
-                        {
-                            "url": speculative.url,
-                            "model_version": version,
-                            "model_dir": target,
-                            "speculative_config": speculative.speculative_config,
-                        },
+                backend=BackendSettings(
+                    kind="vllm",
+                    vllm_servers=[
+                        VllmServerSettings(url=plain.url, model_version=version, model_dir=target),
+                        VllmServerSettings(
+                            url=speculative.url,
+                            model_version=version,
+                            model_dir=target,
+                            speculative_config=speculative.speculative_config,
+                        ),
                     ],
-                },
-                database_url=f"sqlite:///{scratch}/{name}.db",
+                ),
+                database_url=store(name),
                 data_dir=scratch / name,
                 **common,
             )
@@ -325,27 +386,35 @@ def main() -> None:
                 )
             planned.append(("gateway+vllm draft", lambda: remote("vllm-draft", "draft"), {}))
         first_port = args.port_base + len(servers) if args.port_base else 0
+        gateway_cpus = GATEWAY_CPUS if args.pin else None
         routes = [
-            gateway_route(stack, name, settings(), extra, first_port + i if first_port else 0)
+            gateway_route(
+                stack, name, settings(), extra, first_port + i if first_port else 0, gateway_cpus
+            )
             for i, (name, settings, extra) in enumerate(planned)
         ]
         direct = {
             name: Route(f"vllm direct {name}", server.url, {}, DEMO_MODEL_NAME, {}, True)
             for name, server in servers.items()
         }
-        # Each gateway+vllm route runs right before vLLM direct on the same server, so a pair
-        # sees the same load; the added latency is the median of the pairs' ratios.
-        ordered: list[Route] = []
+        # Each gateway+vllm route runs next to vLLM direct on the same server, so a pair sees
+        # the same load, first the gateway then vLLM in even repeats and the other way round
+        # in odd ones; the added latency is the median of the pairs' ratios.
+        pairs: list[list[Route]] = []
         for route in routes:
-            ordered.append(route)
             pool = route.name.removeprefix("gateway+vllm ")
-            if pool in direct:
-                ordered.append(direct.pop(pool))
-        ordered += direct.values()
+            pairs.append([route, direct.pop(pool)] if pool in direct else [route])
+        pairs += [[route] for route in direct.values()]
+        # One unmeasured request through every route first: a gateway's first request pays
+        # for what its process has not done yet (imports, connections, the tokenizer probe).
+        for pair in pairs:
+            for route in pair:
+                asyncio.run(level(route, prompts, 1, 1, args.max_tokens))
         rows: list[Row] = []
         for concurrency in args.concurrency:
             requests = max(args.requests_per_level, concurrency)
             for repeat in range(args.repeats):
+                ordered = [r for pair in pairs for r in (pair if repeat % 2 == 0 else pair[::-1])]
                 for route in ordered:
                     row = asyncio.run(level(route, prompts, concurrency, requests, args.max_tokens))
                     row.repeat = repeat
