@@ -124,6 +124,7 @@ def test_heads_for_another_target_version_are_refused(trained: tuple[Path, Path]
         )
     message = str(info.value)
     assert "sha256:another" in message and model_version(target) in message
+    assert "EAGLE heads" in message and "specgate heads train --method eagle" in message
 
 
 def test_incremental_draft_cache_equals_a_fresh_pass(trained: tuple[Path, Path]) -> None:

@@ -114,6 +114,22 @@ def test_heads_for_another_target_version_are_refused(trained: tuple[Path, Path]
         load_heads(heads, head, 64, model.config.vocab_size, "sha256:another")
     message = str(info.value)
     assert "sha256:another" in message and model_version(target) in message
+    assert "Medusa heads" in message and "specgate heads train --method medusa" in message
+
+
+def test_heads_for_another_hidden_size_are_refused_naming_both(
+    trained: tuple[Path, Path],
+) -> None:
+    target, heads = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    vocab = model.config.vocab_size
+    with pytest.raises(HeadsMismatchError) as info:
+        load_heads(heads, head, 32, vocab, model_version(target))
+    assert f"hidden size 64 and vocabulary {vocab}; the target has 32 and {vocab}" in str(
+        info.value
+    )
 
 
 def test_medusa_in_a_shared_batch_sees_the_hidden_rows_it_sees_alone(
