@@ -3,7 +3,8 @@
 Greedy speculation with the heads' tree must give plain decoding's tokens exactly; sampled
 speculation must draw the first two tokens from the target's exact distribution (the
 chi-square test of tests/test_engine_sampling.py); heads trained on another version of the
-target are refused, naming both versions.
+target are refused, naming both versions. The engines run under a clock-free cost model
+(tests.heads_harness), so what adaptive k does depends on the heads alone.
 """
 
 from __future__ import annotations
@@ -20,23 +21,23 @@ from transformers import PreTrainedModel
 
 from engine import decoding
 from engine.adaptive import PassCosts, SpeculationLength
-from engine.config import EngineConfig, SpeculativeConfig
 from engine.heads import data as heads_data
 from engine.heads.medusa import HeadsMismatchError, MedusaHeads, load_heads
 from engine.heads.train import HeadsSpec, build_data, train_medusa
 from engine.loading import load_model, load_tokenizer
 from engine.model_runner import ModelRunner
-from engine.proposers.base import Proposal
 from engine.proposers.medusa import MedusaProposer
-from engine.sampling import TreeVerdict, verify_tree_greedy
 from engine.service import Engine
 from engine.types import GenerationRequest, GenerationStats, SamplingParams, SpeculativeChoice
 from engine.versioning import model_version
-from tests.test_engine_sampling import (
-    SIGNIFICANCE,
-    chi_square_p_value,
-    draw,
-    exact_pair_distribution,
+from tests.heads_harness import (
+    PROMPTS,
+    assert_sampling_is_exact,
+    greedy_equals_plain,
+    heads_engine,
+    quiet,
+    record_proposed_tokens,
+    side_branch_recorder,
 )
 from tests.tiny_models import SAMPLE_TEXT, build_model, build_tokenizer
 
@@ -50,10 +51,6 @@ SPEC = HeadsSpec(
     rows_per_step=64,
     lr=1e-2,
 )
-
-
-def quiet(*_args: object) -> None:
-    return None
 
 
 def _train(
@@ -77,16 +74,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def engine(trained: tuple[Path, Path]) -> Iterator[Engine]:
-    target, heads = trained
-    config = EngineConfig(
-        target=target,
-        heads=heads,
-        dtype="float32",
-        speculative=SpeculativeConfig(method="medusa", acceptance_threshold=0.0, min_speedup=0.0),
-    )
-    eng = Engine.load(config)
-    yield eng
-    eng.close()
+    with heads_engine(*trained, "medusa") as eng:
+        yield eng
 
 
 def test_training_is_deterministic(trained: tuple[Path, Path], tmp_path: Path) -> None:
@@ -104,27 +93,8 @@ def test_greedy_medusa_equals_plain_decoding(
     engine: Engine, k: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     branches: list[bool] = []
-
-    def recording(proposal: Proposal, logits: torch.Tensor) -> TreeVerdict:
-        verdict = verify_tree_greedy(proposal, logits)
-        # Whether the accepted path left the chain of first children (a real tree branch).
-        firsts = {
-            min(i for i, p in enumerate(proposal.parent_indices()) if p == parent)
-            for parent in set(proposal.parent_indices())
-        }
-        branches.append(any(node not in firsts for node in verdict.path))
-        return verdict
-
-    monkeypatch.setattr(decoding, "verify_tree_greedy", recording)
-    accepted = 0
-    for text in ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n    def"]:
-        prompt = tuple(engine.tokenizer.encode(text))
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-        plain = engine.generate(GenerationRequest(prompt, params, SpeculativeChoice("none")))
-        medusa = engine.generate(GenerationRequest(prompt, params, SpeculativeChoice("medusa", k)))
-        assert medusa.token_ids == plain.token_ids
-        assert medusa.stats.num_drafts > 0
-        accepted += medusa.stats.num_accepted_tokens
+    monkeypatch.setattr(decoding, "verify_tree_greedy", side_branch_recorder(branches))
+    accepted = greedy_equals_plain(engine, "medusa", k)
     assert accepted > 0, "the heads never got a token accepted: the test proves too little"
     if k == 10:  # adaptive k may stay small; a 10-node tree must have taken a side branch
         assert any(branches), "no accepted path left the first children: trees went untested"
@@ -132,12 +102,7 @@ def test_greedy_medusa_equals_plain_decoding(
 
 @pytest.mark.slow
 def test_sampled_medusa_is_exact(engine: Engine) -> None:
-    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
-    prompt = engine.tokenizer.encode("def add(a, b):\n")
-    counts = draw(engine, prompt, params, "medusa")
-    assert chi_square_p_value(counts, exact_pair_distribution(engine, prompt, params)) > (
-        SIGNIFICANCE
-    )
+    assert_sampling_is_exact(engine, "medusa")
 
 
 def test_heads_for_another_target_version_are_refused(trained: tuple[Path, Path]) -> None:
@@ -149,6 +114,22 @@ def test_heads_for_another_target_version_are_refused(trained: tuple[Path, Path]
         load_heads(heads, head, 64, model.config.vocab_size, "sha256:another")
     message = str(info.value)
     assert "sha256:another" in message and model_version(target) in message
+    assert "Medusa heads" in message and "specgate heads train --method medusa" in message
+
+
+def test_heads_for_another_hidden_size_are_refused_naming_both(
+    trained: tuple[Path, Path],
+) -> None:
+    target, heads = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    vocab = model.config.vocab_size
+    with pytest.raises(HeadsMismatchError) as info:
+        load_heads(heads, head, 32, vocab, model_version(target))
+    assert f"hidden size 64 and vocabulary {vocab}; the target has 32 and {vocab}" in str(
+        info.value
+    )
 
 
 def test_medusa_in_a_shared_batch_sees_the_hidden_rows_it_sees_alone(
@@ -165,7 +146,7 @@ def test_medusa_in_a_shared_batch_sees_the_hidden_rows_it_sees_alone(
         observe(self, hidden)
 
     monkeypatch.setattr(MedusaProposer, "observe_hidden", recording)
-    texts = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n    def"]
+    texts = PROMPTS
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     built = [
         GenerationRequest(tuple(engine.tokenizer.encode(t)), params, SpeculativeChoice("medusa", 4))
@@ -226,16 +207,8 @@ def subset_trained(
 
 @pytest.fixture(scope="module")
 def subset_engine(subset_trained: tuple[Path, Path]) -> Iterator[Engine]:
-    target, heads = subset_trained
-    config = EngineConfig(
-        target=target,
-        heads=heads,
-        dtype="float32",
-        speculative=SpeculativeConfig(method="medusa", acceptance_threshold=0.0, min_speedup=0.0),
-    )
-    eng = Engine.load(config)
-    yield eng
-    eng.close()
+    with heads_engine(*subset_trained, "medusa") as eng:
+        yield eng
 
 
 def _subset_of(heads: Path) -> set[int]:
@@ -289,26 +262,8 @@ def test_subset_heads_propose_inside_it_and_stay_lossless(
     subset_engine: Engine, subset_trained: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     subset = _subset_of(subset_trained[1])
-    proposed: list[int] = []
-    propose = MedusaProposer.propose
-
-    def recording(self: MedusaProposer, *args: object, **kwargs: object) -> Proposal:
-        proposal = propose(self, *args, **kwargs)  # type: ignore[arg-type]
-        proposed.extend(proposal.tokens)
-        return proposal
-
-    monkeypatch.setattr(MedusaProposer, "propose", recording)
-    accepted = 0
-    for text in ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n    def"]:
-        prompt = tuple(subset_engine.tokenizer.encode(text))
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-        choice = SpeculativeChoice("none")
-        plain = subset_engine.generate(GenerationRequest(prompt, params, choice))
-        medusa = subset_engine.generate(
-            GenerationRequest(prompt, params, SpeculativeChoice("medusa", 8))
-        )
-        assert medusa.token_ids == plain.token_ids
-        accepted += medusa.stats.num_accepted_tokens
+    proposed = record_proposed_tokens(monkeypatch, MedusaProposer)
+    accepted = greedy_equals_plain(subset_engine, "medusa", 8)
     assert proposed and set(proposed) <= subset
     assert accepted > 0, "the subset heads never got a token accepted: the test proves too little"
 
@@ -317,12 +272,7 @@ def test_subset_heads_propose_inside_it_and_stay_lossless(
 def test_sampled_medusa_with_a_draft_vocabulary_is_exact(subset_engine: Engine) -> None:
     """Chi-square at SIGNIFICANCE (0.001) over SAMPLES draws of the first two tokens: the
     subset limits what the heads propose, never what the target can output."""
-    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
-    prompt = subset_engine.tokenizer.encode("def add(a, b):\n")
-    counts = draw(subset_engine, prompt, params, "medusa")
-    assert chi_square_p_value(counts, exact_pair_distribution(subset_engine, prompt, params)) > (
-        SIGNIFICANCE
-    )
+    assert_sampling_is_exact(subset_engine, "medusa")
 
 
 def test_answers_and_features_are_read_back_from_the_cache(

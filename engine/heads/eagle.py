@@ -29,17 +29,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from engine.heads.medusa import CONFIG_FILE, WEIGHTS_FILE, HeadsMismatchError
-from engine.heads.vocabulary import (
-    DRAFT_TO_TARGET,
-    TARGET_TO_DRAFT,
-    DraftHead,
-    extra_bytes,
-    vocabulary_from_tensors,
-)
+from engine.heads import HeadsMismatchError
+from engine.heads.checkpoint import CONFIG_FILE, WEIGHTS_FILE, Target, read_checkpoint
+from engine.heads.vocabulary import DraftHead, extra_bytes
 
 # The target's own tensors a ``speculators`` checkpoint may carry; Specgate shares the
 # target's instead of loading copies.
@@ -396,28 +391,12 @@ def load_eagle(
     """Load an EAGLE draft for this target; one trained on another version of it is refused,
     naming both versions (its guesses would be for a model that is not running)."""
     config = read_config(heads_dir)
-    trained_on = config.target_model_version
-    if trained_on is not None and trained_on != target_version:
-        raise HeadsMismatchError(
-            f"EAGLE heads in {heads_dir} were trained on target version {trained_on}, but "
-            f"the target loaded is version {target_version}; train heads for this target "
-            "(specgate heads train --method eagle)"
-        )
-    if (config.hidden_size, config.vocab_size) != (hidden_size, vocab_size):
-        raise HeadsMismatchError(
-            f"EAGLE heads in {heads_dir} are for hidden size {config.hidden_size} and "
-            f"vocabulary {config.vocab_size}; the target has {hidden_size} and {vocab_size}"
-        )
-    stored = load_file(str(heads_dir / WEIGHTS_FILE))
-    try:
-        vocabulary = vocabulary_from_tensors(stored, vocab_size, str(heads_dir))
-    except ValueError as error:
-        raise HeadsMismatchError(str(error)) from error
-    mapping = (DRAFT_TO_TARGET, TARGET_TO_DRAFT)
+    target = Target(target_version, hidden_size, vocab_size)
+    checkpoint = read_checkpoint("eagle", heads_dir, config, target)
     tensors = {
-        name: t for name, t in stored.items() if name not in (*_SHARED_WITH_TARGET, *mapping)
+        name: t for name, t in checkpoint.weights.items() if name not in _SHARED_WITH_TARGET
     }
-    draft = EagleDraft(config, embed, lm_head, vocabulary)
+    draft = EagleDraft(config, embed, lm_head, checkpoint.vocabulary)
     expected = set(draft.state_dict())
     missing, unknown = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unknown:

@@ -3,15 +3,24 @@ moved to its device and dtype; heads for another version of it are refused."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 from transformers import PreTrainedModel
 
-from engine.heads import heads_method
+from engine.heads import check_heads_kind, heads_method
 from engine.heads.eagle import EagleDraft, load_eagle
 from engine.heads.medusa import MedusaHeads, load_heads
 from engine.loading import embedding_rows
+from engine.methods import Artefact, LoadContext, LoadedMethod, MethodSpec
+from engine.versioning import model_version
+
+if TYPE_CHECKING:
+    from engine.proposers.base import Proposer
+
+Heads = TypeVar("Heads", MedusaHeads, EagleDraft)
 
 
 def medusa_for(directory: Path, target: PreTrainedModel, target_version: str) -> MedusaHeads:
@@ -40,3 +49,26 @@ def load_heads_for(
     if heads_method(directory) == "eagle":
         return "eagle", eagle_for(directory, target, target_version)
     return "medusa", medusa_for(directory, target, target_version)
+
+
+def load_heads_method(
+    context: LoadContext,
+    spec: MethodSpec,
+    method: Literal["medusa", "eagle"],
+    heads_for: Callable[[Path, PreTrainedModel, str], Heads],
+    proposer: Callable[[Heads, bool], Proposer],
+) -> LoadedMethod:
+    """A heads method ready to serve: the heads in ``spec``'s artefact directory over the
+    loaded target (refused when they are the other method's or were trained for another
+    target), a factory of ``proposer(heads, trees_allowed)`` (``trees_allowed`` False where
+    the target's runner verifies chains only), and the heads as a versioned artefact for the
+    audit log."""
+    directory = context.artefact_dir(spec)
+    assert directory is not None and spec.artefact is not None  # EngineConfig refuses it
+    check_heads_kind(method, directory)
+    heads = heads_for(directory, context.target, context.target_version)
+    trees_allowed = context.target_runner.supports_trees
+    return LoadedMethod(
+        lambda: proposer(heads, trees_allowed),
+        (Artefact(spec.artefact.kind, directory.name, model_version(directory)),),
+    )

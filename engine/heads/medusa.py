@@ -24,20 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from engine.heads import HeadsMismatchError
-from engine.heads.vocabulary import (
-    DRAFT_TO_TARGET,
-    TARGET_TO_DRAFT,
-    DraftHead,
-    extra_bytes,
-    vocabulary_from_tensors,
-)
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
+from engine.heads.checkpoint import CONFIG_FILE, WEIGHTS_FILE, Target, read_checkpoint
+from engine.heads.vocabulary import DraftHead, extra_bytes
 
 
 class ResBlock(nn.Module):
@@ -165,27 +157,11 @@ def load_heads(
     """Load heads for this target; heads trained on another version of it are refused,
     naming both versions (their predictions would be for a model that is not running)."""
     config = read_config(heads_dir)
-    trained_on = config.target_model_version
-    if trained_on is not None and trained_on != target_version:
-        raise HeadsMismatchError(
-            f"heads in {heads_dir} were trained on target version {trained_on}, but the "
-            f"target loaded is version {target_version}; train heads for this target "
-            "(specgate heads train)"
-        )
-    if (config.hidden_size, config.vocab_size) != (hidden_size, vocab_size):
-        raise HeadsMismatchError(
-            f"heads in {heads_dir} are for hidden size {config.hidden_size} and vocabulary "
-            f"{config.vocab_size}; the target has {hidden_size} and {vocab_size}"
-        )
-    tensors = load_file(str(heads_dir / WEIGHTS_FILE))
-    try:
-        vocabulary = vocabulary_from_tensors(tensors, vocab_size, str(heads_dir))
-    except ValueError as error:
-        raise HeadsMismatchError(str(error)) from error
-    for name in (DRAFT_TO_TARGET, TARGET_TO_DRAFT):
-        tensors.pop(name, None)
+    target = Target(target_version, hidden_size, vocab_size)
+    checkpoint = read_checkpoint("medusa", heads_dir, config, target)
+    tensors = checkpoint.weights
     own = f"medusa_head.0.{config.medusa_num_layers}.weight" in tensors
-    heads = MedusaHeads(config, lm_head, own_heads=own, vocabulary=vocabulary)
+    heads = MedusaHeads(config, lm_head, own_heads=own, vocabulary=checkpoint.vocabulary)
     layers = config.medusa_num_layers
     state = {_to_medusa_name(name, layers): name for name in heads.state_dict()}
     missing = sorted(set(state) - set(tensors))

@@ -24,14 +24,13 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.heads import check_heads_kind, heads_method
+from engine.heads import heads_method
 from engine.heads.eagle import EagleCache, EagleDraft
-from engine.heads.loading import eagle_for
+from engine.heads.loading import eagle_for, load_heads_method
 from engine.logits_processors import LogitsProcessing
-from engine.methods import Artefact, ArtefactSpec, LoadContext, LoadedMethod, MethodSpec, register
+from engine.methods import ArtefactSpec, LoadContext, LoadedMethod, MethodSpec, register
 from engine.proposers.base import Proposal
 from engine.types import Method, SamplingParams
-from engine.versioning import model_version
 
 # Given the frontier's node ids and the tree so far (tokens, parents), the log-probabilities
 # ``[len(frontier), draft vocabulary]`` of each frontier node's children.
@@ -246,17 +245,12 @@ def _load(context: LoadContext) -> LoadedMethod:
     """The EAGLE draft in ``config.heads`` (vLLM's ``speculators`` format), over the target's
     own embedding and LM head; one trained on another version of the target is refused
     (``engine.heads.eagle.load_eagle``), and so are heads of another kind."""
-    directory = context.artefact_dir(EAGLE)
-    assert directory is not None  # EngineConfig refuses the method without one
-    check_heads_kind("eagle", directory)
-    draft = eagle_for(directory, context.target, context.target_version)
     options = context.config.speculative.options_for("eagle")
     assert isinstance(options, EagleOptions)
     tree = options.tree()
-    trees_allowed = context.target_runner.supports_trees
-    return LoadedMethod(
-        lambda: EagleProposer(draft, tree, trees_allowed=trees_allowed),
-        (Artefact("eagle_heads", directory.name, model_version(directory)),),
+    return load_heads_method(
+        context, EAGLE, "eagle", eagle_for,
+        lambda draft, trees_allowed: EagleProposer(draft, tree, trees_allowed),
     )
 
 

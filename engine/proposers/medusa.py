@@ -19,14 +19,13 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.heads import HeadsMismatchError, check_heads_kind
-from engine.heads.loading import medusa_for
+from engine.heads import HeadsMismatchError
+from engine.heads.loading import load_heads_method, medusa_for
 from engine.heads.medusa import MedusaHeads, read_config
 from engine.logits_processors import LogitsProcessing
-from engine.methods import Artefact, ArtefactSpec, LoadContext, LoadedMethod, MethodSpec, register
+from engine.methods import ArtefactSpec, LoadContext, LoadedMethod, MethodSpec, register
 from engine.proposers.base import Proposal
 from engine.types import Method, SamplingParams
-from engine.versioning import model_version
 
 # Ordered roughly by how often such a node is accepted (head 0's top ranks first).
 DEFAULT_MEDUSA_TREE: tuple[tuple[int, ...], ...] = (
@@ -133,19 +132,14 @@ class MedusaOptions(BaseModel):
 
 
 def _load(context: LoadContext) -> LoadedMethod:
-    """The heads in ``config.heads``; heads trained on another version of the target are
-    refused (``engine.heads.medusa.load_heads``)."""
-    directory = context.artefact_dir(MEDUSA)
-    assert directory is not None  # EngineConfig refuses the method without one
-    check_heads_kind("medusa", directory)
-    heads = medusa_for(directory, context.target, context.target_version)
+    """The heads in ``config.heads``, proposing the configured tree; heads trained on
+    another version of the target are refused (``engine.heads.medusa.load_heads``)."""
     options = context.config.speculative.options_for("medusa")
     assert isinstance(options, MedusaOptions)
     tree = options.tree()
-    trees_allowed = context.target_runner.supports_trees
-    return LoadedMethod(
-        lambda: MedusaProposer(heads, tree, trees_allowed=trees_allowed),
-        (Artefact("medusa_heads", directory.name, model_version(directory)),),
+    return load_heads_method(
+        context, MEDUSA, "medusa", medusa_for,
+        lambda heads, trees_allowed: MedusaProposer(heads, tree, trees_allowed),
     )
 
 
