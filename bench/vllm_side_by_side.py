@@ -44,9 +44,9 @@ The vLLM servers run without prefix caching: a pair sends the same prompts twice
 cache warmed by the first route would favour the second. Within a pair the order alternates
 from one repeat to the next (gateway first, then vLLM direct first), so whatever else one
 run leaves behind for the next falls on both sides alike. Before each concurrency's rounds,
-every server serves one unmeasured batch at that concurrency: the first batch of a new size
-costs vLLM more, and without it that cost fell on the first route of the first round (+30 %
-for the gateway at 16 clients in the run that showed it, -4 % in the next round).
+every route serves one unmeasured batch at that concurrency: the first batch of a new size
+costs more, and without it that cost fell on the first route of the first round (docs/vllm.md,
+stop 15: +30-40 % for the gateway at 16 clients, then -4 % to +2 % in the next round).
 
 It reports tokens/s (all completion tokens over the level's wall time), p50/p99 request
 latency, the acceptance rate, and the gateway's added latency over calling vLLM directly
@@ -416,9 +416,10 @@ def main() -> None:
         rows: list[Row] = []
         for concurrency in args.concurrency:
             requests = max(args.requests_per_level, concurrency)
-            # Unmeasured, each server at this concurrency first: the first batch of a new size
-            # costs vLLM more (new shapes), and would fall on whichever route came first.
-            for route in [r for pair in pairs for r in pair if r.direct]:
+            # Unmeasured, every route at this concurrency first: the first batch of a new size
+            # costs more, on vLLM (new shapes) and in a gateway (connections and threads its
+            # pools open), and would fall on whichever route came first.
+            for route in [r for pair in pairs for r in pair]:
                 asyncio.run(level(route, prompts, concurrency, concurrency, args.max_tokens))
             for repeat in range(args.repeats):
                 ordered = [r for pair in pairs for r in (pair if repeat % 2 == 0 else pair[::-1])]
