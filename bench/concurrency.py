@@ -51,7 +51,7 @@ from pathlib import Path
 import httpx
 
 from bench.gateway_overhead import serving
-from bench.vllm_server import VllmServer
+from bench.vllm_server import VllmServer, running
 from bench.workload import BUILTIN_DIR
 from engine.demo.paths import default_demo_dir
 from gateway.settings import load_settings
@@ -366,13 +366,9 @@ def vllm_sweep(
     server = VllmServer(target, "bench-vllm", scratch / "vllm.log", dtype=dtype)
     if args.port:  # the port after the local app's
         server.port = args.port + 1
-    server.start()
-    try:
-        server.wait_ready()
+    with running(server):
         remote = Server("vllm", server.url, "none", "bench-vllm")
         points = asyncio.run(sweep(args, remote, ["default"]))
-    finally:
-        server.stop()
     return {
         "vllm_dtype": dtype,
         "vllm_command": " ".join(server.command()[1:]),

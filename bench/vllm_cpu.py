@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from bench.vllm_server import VllmServer
+from bench.vllm_server import VllmServer, running
 from bench.vllm_side_by_side import PROMPTS, Route, gateway_route, level
 from engine.versioning import model_version
 from gateway.settings import DEMO_MODEL_NAME, BackendSettings, Settings
@@ -70,9 +70,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="specgate-vllm-cpu-"))
     ports = {"port": args.port_base} if args.port_base else {}
     server = VllmServer(target, DEMO_MODEL_NAME, scratch / "vllm.log", max_model_len=2048, **ports)
-    server.start()
-    try:
-        server.wait_ready()
+    with running(server):
         assert server.process is not None
         api = [server.process.pid]
         engine = [p for p in process_group(server.process.pid) if p not in api]
@@ -135,8 +133,6 @@ def main() -> None:
                         "errors": row.errors,
                         "load_average_1m": row.load_average_1m,
                     }), flush=True)  # fmt: skip
-    finally:
-        server.stop()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,3 +164,18 @@ class VllmServer:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+@contextmanager
+def running(*servers: VllmServer) -> Iterator[None]:
+    """Start every server at once (their model loads overlap), wait until each is ready, and
+    stop them all on the way out, also when one fails to start."""
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready()
+        yield
+    finally:
+        for server in servers:
+            server.stop()

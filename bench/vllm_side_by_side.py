@@ -77,7 +77,7 @@ import httpx
 
 from bench.audit_bench import scratch_database
 from bench.gateway_overhead import serving
-from bench.vllm_server import VllmServer
+from bench.vllm_server import VllmServer, running
 from engine.versioning import MANIFEST_NAME, model_version, write_manifest
 from gateway.settings import DEMO_MODEL_NAME, BackendSettings, Settings, VllmServerSettings
 
@@ -228,15 +228,8 @@ def vllm_servers(
         )
         for name, config in configs.items()
     }
-    try:
-        for server in servers.values():
-            server.start()
-        for server in servers.values():
-            server.wait_ready()
+    with running(*servers.values()):
         yield servers
-    finally:
-        for server in servers.values():
-            server.stop()
 
 
 def _serve_gateway(

@@ -22,7 +22,7 @@ import openai
 import pytest
 import sqlalchemy as sa
 
-from bench.vllm_server import VllmServer
+from bench.vllm_server import VllmServer, running
 from engine.versioning import model_version, write_manifest
 from gateway.app import load_configured_backend
 from gateway.audit.schema import audit_events
@@ -54,15 +54,8 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     write_manifest(model)
     plain = VllmServer(model, SERVED, root / "plain.log")
     speculative = VllmServer(model, SERVED, root / "ngram.log", speculative_config=NGRAM)
-    plain.start()
-    speculative.start()
-    try:
-        plain.wait_ready()
-        speculative.wait_ready()
+    with running(plain, speculative):
         yield Servers(model, plain, speculative)
-    finally:
-        plain.stop()
-        speculative.stop()
 
 
 def vllm_settings(servers: Servers, data: Path, database_url: str, **extra: Any) -> Settings:
