@@ -11,11 +11,10 @@ each path: direct, through the gateway with the `request` event committed before
 starts (``strict``), and through the gateway with the engine started while that commit is in
 flight (``overlap``, ``start_before_request_commit``), and strict again with the two audit
 appends sent from the database pool instead of the event loop (``strict_from_pool``: what
-``gateway.audit.loop_append`` saves), and strict with every request prepared on the prepare
-pool (``strict_prepare_pool``: what ``inline_prepare_bytes`` saves); the order rotates from
-round to round, so that drift and warm caches hit all alike, and each round gives one "added"
-figure per gateway mode (gateway minus direct). Greedy decoding without speculation keeps the
-engine's share identical.
+``gateway.audit.loop_append`` saves); the order rotates from round to round,
+so that drift and warm caches hit all alike, and each round gives one "added" figure per
+gateway mode (gateway minus direct). Greedy decoding without speculation keeps the engine's
+share identical.
 
 A second phase repeats the rounds with the request path stamped (``bench.request_timeline``):
 for each mode, the mean and median time charged to each stamp, which sum to the request's
@@ -76,19 +75,12 @@ from gateway.server import GracefulServer, uvicorn_config
 from gateway.settings import Settings, load_settings
 
 MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
-# Each gateway mode's settings. The gateway's two orderings of the `request` commit and the
-# engine's start: strict and overlap.
-MODES: dict[str, dict[str, Any]] = {
-    "strict": {"start_before_request_commit": False},
-    "overlap": {"start_before_request_commit": True},
-}
+# The gateway's two orderings of the `request` commit and the engine's start.
+MODES = {"strict": False, "overlap": True}
 # The strict mode with its two audit appends sent from the database pool instead of the event
 # loop (``gateway.audit.loop_append``), alternated with the others: what the loop path saves.
 POOL_MODE = "strict_from_pool"
-MODES[POOL_MODE] = MODES["strict"]
-# The strict mode with every request templated and tokenized on the prepare pool
-# (``inline_prepare_bytes`` 0): what preparing a small request on the loop saves.
-MODES["strict_prepare_pool"] = {**MODES["strict"], "inline_prepare_bytes": 0}
+MODES[POOL_MODE] = False
 PATHS = ("direct", *MODES)
 
 
@@ -331,7 +323,8 @@ def measure(
         speculative=SpeculativeChoice(method="none"),
     )
     settings = {
-        mode: services.settings.model_copy(update=update) for mode, update in MODES.items()
+        mode: services.settings.model_copy(update={"start_before_request_commit": overlap})
+        for mode, overlap in MODES.items()
     }
     rounds = Rounds({path: [] for path in PATHS}, {path: [] for path in PATHS})
     from_loop = services.appender
