@@ -475,28 +475,6 @@ def _max_tokens(
     return asked
 
 
-def prepares_inline(
-    body: ChatCompletionRequest | CompletionRequest,
-    body_bytes: int | None,
-    backend: GenerationBackend,
-    limit: int,
-) -> bool:
-    """Whether ``build_job`` for ``body`` may run on the event loop: the backend templates in
-    this process, the body (``body_bytes``, its framed Content-Length; None when chunked) is at
-    most ``limit`` bytes, and it asks for no tools and no output constraint, whose compiling
-    can take far longer than its text suggests. Such a request is templated and tokenized in
-    tens of microseconds, less than the hand-off to the prepare pool and back; a large prompt
-    still never stalls the loop."""
-    if not backend.prepares_in_process or body_bytes is None or body_bytes > limit:
-        return False
-    if isinstance(body, ChatCompletionRequest) and body.tools:
-        return False
-    try:
-        return constraint(body, None) is None
-    except APIError:  # two constraints: build_job answers it, in its order of checks
-        return False
-
-
 def build_job(
     body: ChatCompletionRequest | CompletionRequest,
     backend: GenerationBackend,
@@ -504,8 +482,7 @@ def build_job(
     store_content: bool = False,
 ) -> Job:
     """Check the request against the served model; raises APIError naming the parameter.
-    Templating and tokenizing are CPU work: call it off the event loop unless
-    ``prepares_inline``. A request without a
+    Templating and tokenizing are CPU work: call it off the event loop. A request without a
     seed gets one drawn here, so that its `request` event records it (replay)."""
     card = backend.card
     check_model(body.model, card)

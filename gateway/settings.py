@@ -309,15 +309,6 @@ class Settings(BaseSettings):
     prepare_threads: int = Field(
         default=2, ge=1, description="Threads for chat templating and tokenizing."
     )
-    inline_prepare_bytes: int = Field(
-        default=4096,
-        ge=0,
-        description="A completion request whose body is at most this many bytes and asks for "
-        "no tools or output constraint is templated and tokenized on the event loop (tens of "
-        "microseconds, less than the prepare pool's hand-off there and back); larger ones, "
-        "and all of them at 0, go to the prepare pool. Only for backends that template in "
-        "this process.",
-    )
     max_prompt_bytes: int = Field(
         default=256 * 1024, ge=1, description="Prompt text (UTF-8 bytes) refused before tokenizing."
     )

@@ -35,7 +35,6 @@ class RelabelledBackend:
         )
         self.render_chat = inner.render_chat
         self.tokenize = inner.tokenize
-        self.prepares_in_process = inner.prepares_in_process
         self.compile_constraint = inner.compile_constraint
         self.health = inner.health
         self.fallback_state = inner.fallback_state

@@ -9,7 +9,6 @@ wake-up of the loop).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -84,43 +83,3 @@ def test_a_completions_audit_appends_take_no_database_pool_thread(
             assert response.status_code == 200, response.text
     audit_calls = [name for name in submitted if "renew" not in name and "expired" not in name]
     assert audit_calls == []
-
-
-def test_a_small_request_is_prepared_on_the_loop_and_a_large_one_on_the_pool(
-    gateway: LiveGateway, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Templating and tokenizing a body of at most ``inline_prepare_bytes`` with no tools or
-    output constraint costs less than the prepare pool's hand-off there and back: it runs on
-    the loop. A larger body, or one that asks for a constraint (its compiling has no bound
-    its text shows), still goes to the prepare pool (issue 13: a large prompt never stalls
-    the loop)."""
-    headers = {"authorization": f"Bearer {gateway.keys['app']}"}
-    limit = gateway.services.settings.inline_prepare_bytes
-    offload = gateway.services.offload
-    prepared: list[str] = []
-    prepare = offload.prepare
-
-    async def counting(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        prepared.append(getattr(fn, "__qualname__", repr(fn)))
-        return await prepare(fn, *args, **kwargs)
-
-    monkeypatch.setattr(offload, "prepare", counting)
-    small = [
-        ("/v1/chat/completions", CHAT),
-        ("/v1/chat/completions", {**CHAT, "stream": True}),
-        ("/v1/completions", {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 6}),
-    ]
-    padding = " " * (limit + 1)  # a body over the bound (its prompt stays within the context)
-    to_pool = [
-        ("/v1/chat/completions", json.dumps(CHAT) + padding),
-        ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 6}) + padding),
-        ("/v1/chat/completions", json.dumps({**CHAT, "response_format": {"type": "json_object"}})),
-    ]
-    with httpx.Client(base_url=gateway.base_url, headers=headers, timeout=60) as client:
-        for path, body in small:
-            assert client.post(path, json=body).status_code == 200
-        assert prepared == []
-        for path, content in to_pool:
-            sent = client.post(path, content=content, headers={"content-type": "application/json"})
-            assert sent.status_code == 200, sent.text
-    assert prepared == ["build_job"] * len(to_pool)

@@ -81,12 +81,6 @@ class GenerationBackend(Protocol):
     @property
     def card(self) -> BackendCard: ...
 
-    @property
-    def prepares_in_process(self) -> bool:
-        """Whether ``render_chat`` and ``tokenize`` are CPU work in this process only (no
-        I/O): then a small request may be prepared on the event loop."""
-        ...
-
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],

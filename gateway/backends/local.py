@@ -56,10 +56,6 @@ class LocalBackend:
     def card(self) -> BackendCard:
         return self._card
 
-    @property
-    def prepares_in_process(self) -> bool:
-        return True
-
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],

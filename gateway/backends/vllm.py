@@ -364,11 +364,6 @@ class VllmBackend:
     def card(self) -> BackendCard:
         return self._card
 
-    @property
-    def prepares_in_process(self) -> bool:
-        """Templating and tokenizing are requests to vLLM's server."""
-        return False
-
     def _post_sync(self, path: str, body: dict[str, Any]) -> Any:
         replica = self._replicas.any_healthy()
         if replica is None:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -20,7 +20,6 @@ from gateway.generation import (
     chat_logprobs,
     chat_message,
     completion_logprobs,
-    prepares_inline,
     system_fingerprint,
 )
 from gateway.keys import Principal
@@ -79,13 +78,9 @@ class _AuditedStream(StreamingResponse):
 
 
 async def _start(
-    body: ChatCompletionRequest | CompletionRequest,
-    body_bytes: int | None,
-    principal: Principal,
-    services: Services,
+    body: ChatCompletionRequest | CompletionRequest, principal: Principal, services: Services
 ) -> AuditedGeneration:
-    """Admit (or 429 at once), then template and tokenize: on the loop for a small request
-    (``prepares_inline``), else on the prepare pool."""
+    """Admit (or 429 at once), then template and tokenize off the event loop."""
     if services.lifecycle.stopping:
         raise shutting_down("The gateway is shutting down; retry on another instance.")
     try:
@@ -93,28 +88,20 @@ async def _start(
     except APIError as refusal:
         services.refusals.count(principal.key_id, refusal.code or "queue_full")
         raise
-    settings = services.settings
-    store_content = (
-        settings.store_content if principal.store_content is None else principal.store_content
-    )
     try:
-        if prepares_inline(body, body_bytes, services.backend, settings.inline_prepare_bytes):
-            job = build_job(body, services.backend, settings.max_prompt_bytes, store_content)
-        else:
-            job = await services.offload.prepare(
-                build_job, body, services.backend, settings.max_prompt_bytes, store_content
-            )
+        job = await services.offload.prepare(
+            build_job,
+            body,
+            services.backend,
+            services.settings.max_prompt_bytes,
+            services.settings.store_content
+            if principal.store_content is None
+            else principal.store_content,
+        )
     except BaseException:
         slots.release()
         raise
     return AuditedGeneration(services, principal, job, slots)
-
-
-def _body_bytes(request: Request) -> int | None:
-    """The body's length as its Content-Length declares (and the HTTP parser enforces); None
-    for a chunked body."""
-    declared = request.headers.get("content-length")
-    return int(declared) if declared is not None and declared.isdigit() else None
 
 
 async def _serve(generation: AuditedGeneration) -> StreamingResponse | None:
@@ -156,9 +143,9 @@ def _chat_choice(generation: AuditedGeneration, index: int, result: Any) -> Chat
 
 @router.post("/chat/completions", response_model=ChatCompletion)
 async def chat_completions(
-    body: ChatCompletionRequest, request: Request, principal: AppPrincipal, services: ServicesDep
+    body: ChatCompletionRequest, principal: AppPrincipal, services: ServicesDep
 ) -> JSONResponse | StreamingResponse:
-    generation = await _start(body, _body_bytes(request), principal, services)
+    generation = await _start(body, principal, services)
     streaming = await _serve(generation)
     if streaming is not None:
         return streaming
@@ -183,9 +170,9 @@ async def chat_completions(
 
 @router.post("/completions", response_model=Completion)
 async def completions(
-    body: CompletionRequest, request: Request, principal: AppPrincipal, services: ServicesDep
+    body: CompletionRequest, principal: AppPrincipal, services: ServicesDep
 ) -> JSONResponse | StreamingResponse:
-    generation = await _start(body, _body_bytes(request), principal, services)
+    generation = await _start(body, principal, services)
     streaming = await _serve(generation)
     if streaming is not None:
         return streaming
