@@ -70,6 +70,7 @@ from gateway.audit.loop_append import LoopAppender
 from gateway.backends.local import LocalBackend
 from gateway.dependencies import Services
 from gateway.generation import build_job
+from gateway.observability.logging import configure_logging
 from gateway.schemas import ChatCompletionRequest
 from gateway.server import GracefulServer, uvicorn_config
 from gateway.settings import Settings, load_settings
@@ -466,6 +467,8 @@ def main() -> None:
             checkpoint_interval_s=3600.0,
             log_level="warning",
         )
+        # As ``specgate serve`` does: at this level, no line per request.
+        configure_logging(log_format="json", level=settings.log_level, stream=sys.stderr)
         with serving(settings, timeline, args.loop) as (base_url, services):
             _, api_key = services.keys.create("app", "bench-gateway-overhead", "bench")
             unstamped = measure(
