@@ -2,10 +2,10 @@
 
 - The port is bound before the app starts, so a start that cannot listen fails before it
   writes a `startup` event.
-- HTTP/1.1 is parsed by httptools. A request's headers must arrive within
-  ``header_timeout_s`` (uvicorn bounds only idle keep-alive connections); idle keep-alive
-  connections close after ``keep_alive_timeout_s``; more than ``max_connections`` open
-  connections are answered 503.
+- HTTP/1.1 is parsed by httptools; a response's head and body leave in one write. A
+  request's headers must arrive within ``header_timeout_s`` (uvicorn bounds only idle
+  keep-alive connections); idle keep-alive connections close after ``keep_alive_timeout_s``;
+  more than ``max_connections`` open connections are answered 503.
 - SIGTERM starts the grace period (``gateway.lifecycle``): no new connections, running
   generations may finish until ``shutdown_grace_s`` and are ended after it.
 """
@@ -28,6 +28,41 @@ from gateway.settings import Settings
 SHUTDOWN_MARGIN_S = 5.0
 
 
+class _OneWritePerTurn(asyncio.Transport):
+    """A response's view of its connection: what it writes in one turn of the event loop
+    leaves in one ``write``. uvicorn writes the status line and headers, then the body: two
+    sends, two segments, and a client that may wake twice for a small answer. Held writes go
+    out when the response is complete (``flush``), when the connection is closed, or at the
+    loop's next turn (a stream's head and chunks wait at most that long)."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self._held:
+            self._loop.call_soon(self.flush)
+        self._held.append(bytes(data))
+
+    def flush(self) -> None:
+        if self._held:
+            data = b"".join(self._held)
+            self._held.clear()
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+
 class HeaderTimeoutProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol (C parsing: about 0.4 ms less per request than h11's
     pure-Python parser on this machine under load) with a bound on the wait for a request's
@@ -46,8 +81,14 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.transport is self.transport:
+            cycle.transport = _OneWritePerTurn(self.transport, self.loop)
 
     def on_response_complete(self) -> None:
+        held = self.cycle.transport if self.cycle is not None else None
+        if isinstance(held, _OneWritePerTurn):
+            held.flush()  # the head and the body: one write
         pipelined = bool(self.pipeline)  # the next request's headers are in already
         super().on_response_complete()
         if not pipelined and not self.transport.is_closing():
