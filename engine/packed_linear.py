@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.fused_projections import fuse_projections
+
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -61,14 +63,18 @@ class PackedLinear(torch.nn.Linear):
 
 
 def pack_linear_weights(model: torch.nn.Module) -> int:
-    """Replace every packable ``nn.Linear`` of ``model`` by a ``PackedLinear`` over the same
-    parameters, in place; returns how many were packed. Idempotent."""
+    """Fuse the input projections of Llama-family layers into packed products
+    (``engine.fused_projections``), then replace every other packable ``nn.Linear`` of
+    ``model`` by a ``PackedLinear`` over the same parameters, in place; returns how many
+    linears were packed, fused ones included. Idempotent."""
+    fused = {id(linear) for linear in fuse_projections(model, can_pack)}
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is torch.nn.Linear and can_pack(child)
+        if type(child) is torch.nn.Linear and can_pack(child) and id(child) not in fused
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
-    return len(targets)
+    return len(targets) + len(fused)
+
