@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 from engine.batched_runner import BatchedRunner, Feed
@@ -32,7 +32,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("fused") / "target", tokenizer, seed=3, layers=3)
 
 
-def served(target: Path, dtype: str) -> torch.nn.Module:
+def served(target: Path, dtype: str) -> PreTrainedModel:
     model = load_model(target, CPU, dtype)  # type: ignore[arg-type]
     pack_linear_weights(model)
     return model
@@ -51,9 +51,9 @@ def test_every_llama_attention_and_mlp_runs_one_fused_product(target: Path) -> N
         # The members run through the fused product only: no packed copy of their own.
         assert all(type(p) is torch.nn.Linear for p in (module.q_proj, module.k_proj))
         assert isinstance(module.o_proj, PackedLinear)
-    for module in mlps:
-        assert isinstance(module.fused_gate_up, FusedPackedLinear)
-        assert isinstance(module.down_proj, PackedLinear)
+    for mlp in mlps:
+        assert isinstance(mlp.fused_gate_up, FusedPackedLinear)
+        assert isinstance(mlp.down_proj, PackedLinear)
     before = sum(1 for _ in model.modules())
     pack_linear_weights(model)  # idempotent
     assert sum(1 for _ in model.modules()) == before
