@@ -12,9 +12,17 @@ query row (it repacks keys and values for its bfloat16 kernel at every call), 4-
 float32 kernel takes with the casts included: on SmolLM2-135M at 400 positions, 414 against
 111 us per layer (docs/engine.md, "Speed on CPU"). So a half-precision pass of at most
 ``FLOAT32_ATTENTION_ROWS`` rows (decode and verification steps) attends in float32 and rounds
-the result back; the keys and values stay in the model's dtype in the cache, and prefill
-chunks, where the half-precision kernel amortises its repacking, are left as they are. Plain
-and verification steps thus attend alike, in float32, whatever their row count.
+the result back; prefill chunks, where the half-precision kernel amortises its repacking,
+attend in the model's dtype. Plain and verification steps thus attend alike, in float32,
+whatever their row count. The batched runner's slot cache keeps a half-precision model's keys
+and values in float32 (widened exactly), so that cast is a no-op for them, and narrows them
+back (exactly) for a prefill chunk.
+
+A shared pass of several sequences gives ``slot_spans`` (``engine.batched_cache``): the keys
+and values are then the whole arena, ``[1, kv_heads, positions, head_dim]``, and each batch
+row attends over a view of its own extent, with its own columns of the mask: what a pass of
+that sequence alone computes, without copying the batch's keys and values into a padded
+tensor per layer per step.
 """
 
 from __future__ import annotations
