@@ -8,9 +8,11 @@ layout vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` use), and
 two products where HF's forwards run five. The rest of each forward is HF's own, in the same
 order (rotary, the cache's ``update``, the configured attention, ``o_proj``; SiLU-gated MLP).
 
-Every output element is still one dot product over the same input row, summed by oneDNN's
-blocked kernel as for the unfused packed layers; the engine's plain and speculative passes
-all run the fused model, so they agree with each other as before. Only modules of exactly
+Every output element is still one dot product over the same input row, but oneDNN blocks a
+wider product differently, so the sums may round otherwise than the separate products' (in
+bfloat16 up to 0.375 in a logit of the demo target; docs/engine.md, "The batched pass"); the
+engine's plain and speculative passes all run the fused model, so they agree with each
+other as before. Only modules of exactly
 ``LlamaAttention`` and ``LlamaMLP`` are fused (other architectures keep HF's forwards), and a
 pass recording autograd runs HF's forward over the original parameters.
 """

@@ -9,6 +9,10 @@ lets every pass run oneDNN's blocked kernel straight from the packed copy, for o
 1.36x cheaper in CPU time; in float32 it made no difference inside the model (figures:
 ``docs/engine.md``, "Speed on CPU").
 
+``pack_linear_weights`` first fuses the input projections of Llama-family layers
+(``engine.fused_projections``: q/k/v and gate/up each one packed product) and packs the
+other linears one by one.
+
 The products sum in another order than ``F.linear``'s (as any change of BLAS kernel does), so
 logits differ from an unpacked model's within the dtype's rounding; the engine's plain and
 speculative passes all run the packed model, so they agree with each other as before.
