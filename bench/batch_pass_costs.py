@@ -5,7 +5,9 @@ implies.
                                      [--widths 1,2,3,4,5] [--context 64] [--alpha 0.3,0.5,0.7]
                                      [--json FILE]
 
-Every slot of a ``BatchedRunner`` holds ``--context`` cached tokens; a pass feeds each of
+The target is loaded as the engine serves it (``engine.loading.load_model``, then
+``engine.packed_linear.pack_linear_weights``). Every slot of a ``BatchedRunner`` holds
+``--context`` cached tokens; a pass feeds each of
 ``batch`` sequences ``width`` rows (its last token and ``width - 1`` proposal rows). The
 fastest of a few passes per point is kept (noise on shared cores only ever adds time). Those
 figures go into ``StepCosts`` as if the engine had measured them, and for each acceptance rate
@@ -29,6 +31,7 @@ from engine.batch_speculation import StepCosts
 from engine.batched_runner import BatchedRunner, Feed
 from engine.demo.paths import default_demo_dir
 from engine.loading import load_model, pick_device
+from engine.packed_linear import pack_linear_weights
 
 REPEATS = 5
 
@@ -61,6 +64,7 @@ def main() -> None:
     widths = [int(w) for w in args.widths.split(",")]
 
     model = load_model(args.target, pick_device(None), args.dtype)
+    pack_linear_weights(model)  # as the engine serves its target
     runner = BatchedRunner(model, max(batches))
     for slot in range(max(batches)):
         runner.forward([Feed(slot, [3 + (i * 7 + slot) % 500 for i in range(args.context)])])

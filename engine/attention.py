@@ -12,9 +12,17 @@ query row (it repacks keys and values for its bfloat16 kernel at every call), 4-
 float32 kernel takes with the casts included: on SmolLM2-135M at 400 positions, 414 against
 111 us per layer (docs/engine.md, "Speed on CPU"). So a half-precision pass of at most
 ``FLOAT32_ATTENTION_ROWS`` rows (decode and verification steps) attends in float32 and rounds
-the result back; the keys and values stay in the model's dtype in the cache, and prefill
-chunks, where the half-precision kernel amortises its repacking, are left as they are. Plain
-and verification steps thus attend alike, in float32, whatever their row count.
+the result back; prefill chunks, where the half-precision kernel amortises its repacking,
+attend in the model's dtype. Plain and verification steps thus attend alike, in float32,
+whatever their row count. The batched runner's slot cache keeps a half-precision model's keys
+and values in float32 (widened exactly), so that cast is a no-op for them, and narrows them
+back (exactly) for a prefill chunk.
+
+A shared pass of several sequences gives ``slot_spans`` (``engine.batched_cache``): the keys
+and values are then the whole arena, ``[1, kv_heads, positions, head_dim]``, and each batch
+row attends over a view of its own extent, with its own columns of the mask: what a pass of
+that sequence alone computes, without copying the batch's keys and values into a padded
+tensor per layer per step.
 """
 
 from __future__ import annotations
@@ -44,17 +52,28 @@ def cpu_gqa_sdpa_forward(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    spans: list[tuple[int, int]] | None = kwargs.pop("slot_spans", None)
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     special = any(kwargs.get(name) is not None for name in _SPECIAL)
     if special or query.device.type != "cpu" or module.training:
+        if spans is not None:
+            raise ValueError("per-sequence key spans need engine.attention's CPU path")
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    dtype = query.dtype
+    dtype = compute = query.dtype
     if dtype in (torch.bfloat16, torch.float16) and query.shape[2] <= FLOAT32_ATTENTION_ROWS:
-        query, key, value = query.float(), key.float(), value.float()
+        compute = torch.float32
+        query = query.float()
         if attention_mask is not None and attention_mask.is_floating_point():
             attention_mask = attention_mask.float()
+    if spans is not None:
+        if attention_mask is None:
+            raise ValueError("per-sequence attention needs the pass's mask")
+        out = _attend_each_sequence(query, key, value, attention_mask, spans, scaling)
+        return out.transpose(1, 2).contiguous().to(dtype), None
+    # A cache kept in float32 under a half-precision model holds the model's values exactly.
+    key, value = key.to(compute), value.to(compute)
     if not grouped:
         out, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -66,6 +85,29 @@ def cpu_gqa_sdpa_forward(
         enable_gqa=True,
     )
     return out.transpose(1, 2).contiguous().to(dtype), None
+
+
+def _attend_each_sequence(
+    query: torch.Tensor,
+    arena_keys: torch.Tensor,
+    arena_values: torch.Tensor,
+    mask: torch.Tensor,
+    spans: list[tuple[int, int]],
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of batch row ``b`` over positions ``[offset, offset + length)`` of the
+    arenas (``[1, kv_heads, positions, head_dim]``, ``spans[b]``), with the first ``length``
+    columns of its mask, in the query's dtype: the same computation as a pass of that
+    sequence alone, without a padded copy of every sequence's keys and values."""
+    outs = []
+    for b, (offset, length) in enumerate(spans):
+        keys = arena_keys[:, :, offset : offset + length].to(query.dtype)
+        values = arena_values[:, :, offset : offset + length].to(query.dtype)
+        outs.append(F.scaled_dot_product_attention(
+            query[b : b + 1], keys, values, attn_mask=mask[b : b + 1, :, :, :length],
+            scale=scaling, enable_gqa=True,
+        ))
+    return torch.cat(outs)
 
 
 AttentionInterface.register(CPU_GQA_SDPA, cpu_gqa_sdpa_forward)

@@ -12,12 +12,14 @@ buffer over every slot, as long as the longest: one 2,000-token prompt made all 
 2,048 positions long while it ran).
 
 A pass (``prepare``, then the model) writes every fed row with one ``index_copy_`` per
-layer and tensor; attention gets, for one sequence, a view of its extent (no copy) and, for
-several, the batch's prefixes gathered with one ``index_select`` into a transient padded
-``[batch, kv_heads, kv_length, head_dim]`` tensor (PyTorch's CPU SDPA takes one tensor over
-the batch). That gather is what per-sequence memory costs against a padded buffer over
-every slot: a copy of the batch's live keys and values per layer per step, by index (a few
-kernels per layer whatever the batch size; ``bench.batch_pass_costs`` measures it). Which
+layer and tensor; attention gets, for one sequence, a view of its extent (no copy). For
+several, with ``per_sequence`` (the CPU attention of ``engine.attention``, which attends each
+sequence over a view of its own extent, ``SlotBatch.spans``), the whole arena, no copy;
+otherwise the batch's prefixes gathered with one ``index_select`` into a transient padded
+``[batch, kv_heads, kv_length, head_dim]`` tensor, a copy of the batch's live keys and values
+per layer per step. ``arena_dtype`` float32 under a half-precision model stores the keys and
+values widened (exactly) to the dtype the CPU attention computes decode rows in, so neither
+a gather nor a cast copies them per step; it doubles the arena's bytes. Which
 positions a row may see is the attention mask's business, so a sequence's length is only a
 number in the runner: rollback is O(1) (lower the number), keeping a tree's accepted path
 copies only the accepted entries (``move``), and moving a sequence to another slot moves
@@ -62,6 +64,8 @@ class SlotBatch:
     # its last position again: masked, but finite).
     write_index: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     read_index: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    # Per batch row, (arena offset, positions attention reads): its own prefix and rows.
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,8 @@ class SlotLayer(DynamicLayer):
             if arena is None or arena.shape[1] < size:
                 # Zeros: attention multiplies masked positions' values by 0, and an
                 # uninitialised NaN would survive that.
-                grown = like.new_zeros((like.shape[1], size, like.shape[3]))
+                shape = (like.shape[1], size, like.shape[3])
+                grown = like.new_zeros(shape, dtype=self.owner.arena_dtype or like.dtype)
                 if arena is not None:
                     grown[:, : arena.shape[1]] = arena
                 arena = grown
@@ -117,10 +122,12 @@ class SlotLayer(DynamicLayer):
         for arena, states in zip(arenas, (key_states, value_states), strict=True):
             heads, dim = states.shape[1], states.shape[3]
             fed = states.transpose(0, 1).reshape(heads, size * rows, dim)
-            arena.index_copy_(1, batch.write_index, fed)
+            arena.index_copy_(1, batch.write_index, fed.to(arena.dtype))
             if size == 1:
                 offset = self.owner.offset(batch.slots[0])
                 out.append(arena[None, :, offset : offset + length])
+            elif self.owner.per_sequence:
+                out.append(arena[None])
             else:
                 gathered = arena.index_select(1, batch.read_index)
                 out.append(gathered.view(heads, size, length, dim).transpose(0, 1))
@@ -148,8 +155,16 @@ class SlotCache(DynamicCache):
     """transformers' cache interface over ``SlotLayer``s, and the extents of their arenas;
     ``prepare`` sets the batch before each pass."""
 
-    def __init__(self, config: PretrainedConfig, max_slots: int) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        max_slots: int,
+        arena_dtype: torch.dtype | None = None,
+        per_sequence: bool = False,
+    ) -> None:
         super().__init__(config=config)
+        self.arena_dtype = arena_dtype  # None: the model's key and value dtype
+        self.per_sequence = per_sequence
         if not supports_batching(config):
             raise ValueError("the model has layers the slot cache cannot batch")
         self.max_slots = max_slots
@@ -198,7 +213,11 @@ class SlotCache(DynamicCache):
         starts = torch.tensor(batch.starts)
         rows = torch.arange(batch.rows)
         batch.write_index = (offsets + starts)[:, None].add(rows[None, :]).reshape(-1)
-        if len(batch.slots) > 1:
+        batch.spans = [
+            (self.offset(slot), start + batch.rows)
+            for slot, start in zip(batch.slots, batch.starts, strict=True)
+        ]
+        if len(batch.slots) > 1 and not self.per_sequence:
             last = starts + batch.rows - 1
             positions = torch.minimum(torch.arange(batch.kv_length)[None, :], last[:, None])
             batch.read_index = (offsets[:, None] + positions).reshape(-1)

@@ -44,7 +44,12 @@ class BatchedRunner:
         self.invariant = invariant
         self.device = model.device
         self.max_slots = max_slots
-        self.cache = SlotCache(model.config, max_slots)
+        # engine.attention's CPU attention reads each sequence's own extent (no gather) and
+        # attends decode rows in float32, so a half-precision model's cache is kept in float32.
+        self._per_sequence = model.config._attn_implementation == CPU_GQA_SDPA
+        half = model.dtype in (torch.bfloat16, torch.float16)
+        arena_dtype = torch.float32 if self._per_sequence and half else None
+        self.cache = SlotCache(model.config, max_slots, arena_dtype, self._per_sequence)
         self.lengths = [0] * max_slots
         self._bool_mask = model.config._attn_implementation in _BOOL_MASK_ATTENTION
 
@@ -102,7 +107,9 @@ class BatchedRunner:
                 mask[b, 0, :n, start : start + n] = ancestor_mask(feed.parents)
             positions[b, n:] = start
             mask[b, 0, n:, start] = True  # padding rows: see row 0, never read
-        self.cache.prepare(SlotBatch([feed.slot for feed in feeds], starts, rows, kv_length))
+        slots = SlotBatch([feed.slot for feed in feeds], starts, rows, kv_length)
+        self.cache.prepare(slots)
+        spans = {"slot_spans": slots.spans} if self._per_sequence and batch > 1 else {}
         attention = mask.to(self.device)
         if not self._bool_mask:
             floor = torch.finfo(self.model.dtype).min
@@ -126,6 +133,7 @@ class BatchedRunner:
                 cache=self.cache,
                 use_cache=True,
                 logits_to_keep=1 if last_only else 0,
+                **spans,
             )
         finally:
             if hook is not None:

@@ -9,6 +9,10 @@ lets every pass run oneDNN's blocked kernel straight from the packed copy, for o
 1.36x cheaper in CPU time; in float32 it made no difference inside the model (figures:
 ``docs/engine.md``, "Speed on CPU").
 
+``pack_linear_weights`` first fuses the input projections of Llama-family layers
+(``engine.fused_projections``: q/k/v and gate/up each one packed product) and packs the
+other linears one by one.
+
 The products sum in another order than ``F.linear``'s (as any change of BLAS kernel does), so
 logits differ from an unpacked model's within the dtype's rounding; the engine's plain and
 speculative passes all run the packed model, so they agree with each other as before.
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from engine.fused_projections import fuse_projections
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -61,14 +67,18 @@ class PackedLinear(torch.nn.Linear):
 
 
 def pack_linear_weights(model: torch.nn.Module) -> int:
-    """Replace every packable ``nn.Linear`` of ``model`` by a ``PackedLinear`` over the same
-    parameters, in place; returns how many were packed. Idempotent."""
+    """Fuse the input projections of Llama-family layers into packed products
+    (``engine.fused_projections``), then replace every other packable ``nn.Linear`` of
+    ``model`` by a ``PackedLinear`` over the same parameters, in place; returns how many
+    linears were packed, fused ones included. Idempotent."""
+    fused = {id(linear) for linear in fuse_projections(model, can_pack)}
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is torch.nn.Linear and can_pack(child)
+        if type(child) is torch.nn.Linear and can_pack(child) and id(child) not in fused
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
-    return len(targets)
+    return len(targets) + len(fused)
+
