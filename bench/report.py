@@ -12,6 +12,7 @@ from pathlib import Path
 
 from bench.costs import PassCosts
 from bench.variants import Run, Variant
+from engine.adaptive import pass_cost_speedup
 from engine.divergence import Divergence
 from engine.types import GenerationStats, Method
 
@@ -20,11 +21,20 @@ ALL_WORKLOADS = "all"
 WORTHWHILE_SPEEDUP = 1.05
 
 
-def theoretical_speedup(alpha: float, k: float, cost_ratio: float) -> float:
-    """(1 - a^(k+1)) / ((1 - a)(k*c + 1)) for acceptance rate a: expected tokens per target
-    pass over the cost of one speculative step in target passes (Leviathan et al., 2023)."""
-    expected = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1.0)) / (1.0 - alpha)
-    return expected / (k * cost_ratio + 1.0)
+def theoretical_speedup(stats: GenerationStats, costs: PassCosts, cost_ratio: float) -> float:
+    """The speedup the measured acceptance gives if the target passes and the proposer cost
+    what ``costs`` measured and nothing else took time (``engine.adaptive.pass_cost_speedup``,
+    in one-token target passes): a verifying pass of m + 1 rows interpolated between the
+    measured 1 and ``costs.verify_tokens`` rows, a proposed token ``cost_ratio``, a pass that
+    proposed nothing one. ``stats``: the pooled counts of a method's runs."""
+    passes = max(stats.num_target_passes, stats.num_drafts)
+    mean_k = stats.num_draft_tokens / stats.num_drafts if stats.num_drafts else 0.0
+    verify_ratio = costs.target_verify_ms / costs.target_one_ms
+    verify = 1.0 + max(0.0, verify_ratio - 1.0) * mean_k / max(costs.verify_tokens - 1, 1)
+    return pass_cost_speedup(
+        stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts, passes,
+        verify, cost_ratio, 1.0,
+    )
 
 
 @dataclass(frozen=True)
@@ -169,9 +179,8 @@ def _row(
     mean_k = total.num_draft_tokens / drafts if drafts else None
     cost_ratio = costs.draft_cost_ratio if variant.method == "draft" else 0.0
     theoretical = (
-        theoretical_speedup(alpha, mean_k, cost_ratio)
-        if alpha is not None and mean_k is not None and cost_ratio is not None
-        and variant.backend == "specgate"
+        theoretical_speedup(total, costs, cost_ratio)
+        if drafts and cost_ratio is not None and variant.backend == "specgate"
         else None
     )
     return Row(

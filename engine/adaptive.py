@@ -29,6 +29,37 @@ def theoretical_speedup(alpha: float, k: int, cost_ratio: float) -> float:
     return expected_tokens(alpha, k) / (k * cost_ratio + 1.0)
 
 
+def pass_cost_speedup(
+    drafted: float,
+    accepted: float,
+    proposing_passes: float,
+    passes: float,
+    verify_seconds: float,
+    proposer_seconds: float,
+    plain_seconds: float,
+) -> float:
+    """Speedup over plain decoding of ``passes`` target passes, ``proposing_passes`` of them
+    verifying ``drafted`` proposed tokens of which ``accepted`` were kept (the others ran
+    plain), if the passes and the proposer were all the time spent: the tokens committed
+    (``accepted + passes``, one from the target per pass) at one plain pass each, over
+
+        proposing_passes * verify_seconds + drafted * proposer_seconds
+        + (passes - proposing_passes) * plain_seconds
+
+    Measured acceptance, as it came (in runs or not), not one rate at every position: for
+    passes that all propose k with t(k + 1) = t(1) and acceptance independent per position it
+    is ``theoretical_speedup``. The engine's fallback judges a method by it, and the
+    benchmark's theoretical speedup is it, so what a measured speedup falls short of it is
+    time spent outside the passes."""
+    seconds = (
+        proposing_passes * verify_seconds
+        + drafted * proposer_seconds
+        + (passes - proposing_passes) * plain_seconds
+    )
+    tokens = accepted + passes
+    return tokens * plain_seconds / seconds if seconds > 0 else float(tokens)
+
+
 class Ewma:
     """Exponentially weighted mean whose samples are clipped to ``clip`` times the current
     mean: on shared cores one pass descheduled for a second would otherwise make that pass
@@ -358,13 +389,8 @@ class FallbackMonitor:
     proposals cost time, keep the seed's 60 % rule; n-gram lookup costs next to nothing, so a
     low acceptance of long proposals can still pay). The speedup comes from the measured
     acceptance, the mean k and the pass costs, over all the passes of the window's requests
-    (those that verified a proposal, and plain ones where nothing was proposed)::
-
-        speedup = tokens * t(1) / (verifying passes * (t(k + 1) + k * proposer cost per token)
-                                   + other passes * t(1))
-
-    which for requests that propose at every pass, with t(k + 1) = t(1), is the textbook
-    (1 - a^(k+1)) / ((1 - a)(k c + 1)). Per-step overheads outside the passes are not in it.
+    (those that verified a proposal, and plain ones where nothing was proposed):
+    ``pass_cost_speedup``. Per-step overheads outside the passes are not in it.
 
     Adaptive k can also stop proposing by itself (k = 0 pays best); a method whose requests
     mostly ran plain is reported too (``idle``), so that it is visible beside the switched
@@ -448,9 +474,7 @@ class FallbackMonitor:
         per_token = self.costs.proposer(method)
         mean_k = proposed / passes
         verify = self.costs.target(max(2, round(mean_k) + 1)) or plain
-        # Passes that verified a proposal, and the others (nothing proposed: plain steps).
-        seconds = passes * (verify + mean_k * per_token) + (steps - passes) * plain
-        speedup = (accepted + steps) * plain / seconds
+        speedup = pass_cost_speedup(proposed, accepted, passes, steps, verify, per_token, plain)
         return WindowFigures(rate, proposed, per_token / plain, speedup)
 
     def _pays(self, method: Method, figures: WindowFigures) -> tuple[bool, str]:

@@ -20,9 +20,10 @@ from bench.report import (
     markdown,
     recommend,
     summarise,
-    theoretical_speedup,
 )
 from bench.variants import Run, Variant
+from engine.adaptive import expected_tokens, pass_cost_speedup
+from engine.adaptive import theoretical_speedup as textbook_speedup
 from engine.divergence import Divergence, rounding_bound
 from engine.heads.loading import load_heads_for
 from engine.heads.train import HeadsSpec, build_data, train_eagle, train_medusa
@@ -39,21 +40,15 @@ COSTS = PassCosts(context_tokens=8, target_one_ms=10.0, target_verify_ms=11.0, v
                   draft_one_ms=1.0)
 
 
-def test_theoretical_speedup_known_values() -> None:
-    assert theoretical_speedup(0.5, 2, 0.0) == pytest.approx(1.75)
-    assert theoretical_speedup(1.0, 4, 0.1) == pytest.approx(5 / 1.4)
-    assert theoretical_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
-
-
-@given(
-    st.floats(0.0, 0.99), st.floats(0.0, 0.99), st.integers(1, 16), st.floats(0.0, 1.0)
-)
-def test_theoretical_speedup_grows_with_acceptance_and_stays_bounded(
-    a: float, b: float, k: int, c: float
+@given(st.floats(0.0, 0.99), st.integers(1, 16), st.floats(0.0, 1.0), st.integers(1, 50))
+def test_pass_cost_speedup_is_the_textbook_formula_for_independent_acceptance(
+    alpha: float, k: int, c: float, passes: int
 ) -> None:
-    low, high = sorted((a, b))
-    assert theoretical_speedup(low, k, c) <= theoretical_speedup(high, k, c) + 1e-12
-    assert 1.0 / (k * c + 1.0) - 1e-12 <= theoretical_speedup(low, k, c) <= k + 1.0
+    # Passes that all propose k, at the tokens per pass one rate at every position expects,
+    # with a verifying pass costing a plain one: (1 - a^(k+1)) / ((1 - a)(k c + 1)).
+    accepted = (expected_tokens(alpha, k) - 1.0) * passes
+    speedup = pass_cost_speedup(k * passes, accepted, passes, passes, 1.0, c, 1.0)
+    assert speedup == pytest.approx(textbook_speedup(alpha, k, c))
 
 
 def _stats(method: Method, drafts: int, drafted: int, accepted: int) -> GenerationStats:
@@ -85,12 +80,40 @@ def test_summary_uses_medians_and_pooled_acceptance() -> None:
     assert rows[NGRAM].speedup == pytest.approx(2.0)
     assert rows[NGRAM].acceptance_rate == pytest.approx(0.5)
     assert rows[NGRAM].mean_acceptance_length == pytest.approx(3.0)
-    assert rows[NGRAM].theoretical == pytest.approx(theoretical_speedup(0.5, 4.0, 0.0))
-    assert rows[DRAFT].theoretical == pytest.approx(theoretical_speedup(1.0, 3.0, 0.1))
-    assert rows[DRAFT].of_theoretical == pytest.approx(3.0 / theoretical_speedup(1.0, 3.0, 0.1))
+    # Theoretical: the measured tokens per pass over each pass's measured cost in one-token
+    # passes (COSTS: 5 rows cost 1.1, so 4 proposed 1.1 and 3 proposed 1.075; c = 0.1).
+    assert rows[NGRAM].theoretical == pytest.approx(3.0 / 1.1)
+    assert rows[DRAFT].theoretical == pytest.approx(4.0 / (1.075 + 3 * 0.1))
+    assert rows[DRAFT].of_theoretical == pytest.approx(3.0 / (4.0 / 1.375))
     assert rows[HF_PLAIN].theoretical is None
     assert not rows[HF_PLAIN].same_tokens_as_plain
     assert rows[DRAFT].same_tokens_as_plain
+
+
+def test_theoretical_speedup_is_measured_acceptance_over_measured_pass_costs() -> None:
+    # Acceptance in runs: two steps of 4 proposals, one accepting all 4 and one none. One
+    # rate at every position (a = 0.5) would predict 1.94 tokens per pass; they gave 3.
+    plain = (1, 2, 3, 4)
+    table: RunTable = {
+        ("code", "p1", NONE): [Run(plain, 3.0, _stats("none", 0, 0, 0))],
+        ("code", "p1", NGRAM): [Run(plain, 1.5, _stats("ngram", 2, 8, 4))],
+    }
+    rows = {r.variant: r for r in summarise(table, [NONE, NGRAM], COSTS)}
+    assert rows[NGRAM].theoretical == pytest.approx(3.0 / 1.1)
+
+
+def test_theoretical_speedup_counts_the_plain_passes_adaptive_k_chose() -> None:
+    # 2 passes verified 4 proposals each (3 accepted in all), 2 more ran plain: 7 tokens
+    # for 2 * (1.1 + 4 * 0.1) + 2 one-token passes.
+    plain = (1, 2, 3, 4)
+    stats = _stats("draft", 2, 8, 3)
+    stats.num_target_passes = 4
+    table: RunTable = {
+        ("code", "p1", NONE): [Run(plain, 3.0, _stats("none", 0, 0, 0))],
+        ("code", "p1", DRAFT): [Run(plain, 1.5, stats)],
+    }
+    rows = {r.variant: r for r in summarise(table, [NONE, DRAFT], COSTS)}
+    assert rows[DRAFT].theoretical == pytest.approx(7.0 / (2 * (1.1 + 0.4) + 2))
 
 
 def test_recommendation_names_the_fastest_lossless_method() -> None:
