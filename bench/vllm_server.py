@@ -28,6 +28,8 @@ STARTUP_TIMEOUT_S = float(os.environ.get("SPECGATE_VLLM_STARTUP_TIMEOUT_S", "600
 # Whole GiB (vLLM parses an int): the tiny model needs a few MiB; the default claims more.
 KV_CACHE_GIB = "1"
 MAX_MODEL_LEN = 512
+# How libgomp's threads wait between parallel regions: our engine's choice, not passed on.
+OPENMP_WAITING = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def vllm_python() -> Path:
@@ -62,6 +64,10 @@ class VllmServer:
     # Off in side-by-side runs: the same prompts go through the gateway and then directly, and
     # a prefix cache warmed by the first would favour the second.
     prefix_caching: bool = True
+    # OpenMP's waiting in vLLM's processes; None: vLLM's own default (libgomp's spinning), not
+    # the ``OMP_WAIT_POLICY=PASSIVE`` that importing ``engine`` sets in this process for our
+    # engine, which vLLM would otherwise inherit.
+    omp_wait_policy: str | None = None
     process: subprocess.Popen[bytes] | None = None
     startup_s: float = 0.0
 
@@ -104,10 +110,13 @@ class VllmServer:
             ]
         return cmd
 
-    def start(self) -> None:
-        """Launch without waiting; ``wait_ready`` waits (so two servers can start at once)."""
-        env = {
-            **os.environ,
+    def environment(self) -> dict[str, str]:
+        """The server's environment: this process's, less our engine's OpenMP waiting."""
+        inherited = {k: v for k, v in os.environ.items() if k not in OPENMP_WAITING}
+        waiting = {"OMP_WAIT_POLICY": self.omp_wait_policy} if self.omp_wait_policy else {}
+        return {
+            **inherited,
+            **waiting,
             "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
             # Unbound: pinned by ``taskset`` where ``cpus`` is set, OpenMP sees those CPUs only.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -116,6 +125,9 @@ class VllmServer:
             "HF_HUB_OFFLINE": "1",
             "VLLM_LOGGING_LEVEL": "WARNING",
         }
+
+    def start(self) -> None:
+        """Launch without waiting; ``wait_ready`` waits (so two servers can start at once)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._started_at = time.monotonic()
         with self.log_path.open("ab") as log:
@@ -123,7 +135,7 @@ class VllmServer:
                 self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env=self.environment(),
                 start_new_session=True,
             )
 
