@@ -143,8 +143,12 @@ def summarise(
         keys = list(dict.fromkeys(keys))
         base_seconds = sum(statistics.median(r.seconds for r in runs[(w, p, baseline)])
                            for w, p in keys)
+        base_tokens = sum(len(runs[(w, p, baseline)][0].token_ids) for w, p in keys)
+        # Tokens per second over plain decoding's, not time over time: a near-tie that
+        # changes an output changes its length too, and a shorter answer is not a faster one.
+        base_rate = base_tokens / base_seconds if base_seconds > 0 else 0.0
         for variant in variants:
-            row = _row(workload, variant, keys, runs, base_seconds, baseline, costs)
+            row = _row(workload, variant, keys, runs, base_rate, baseline, costs)
             found = tuple(
                 d for w, p in keys for d in (divergences or {}).get((w, p, variant), [])
             )
@@ -159,7 +163,7 @@ def summarise(
 
 def _row(
     workload: str, variant: Variant, keys: list[tuple[str, str]], runs: RunTable,
-    base_seconds: float, baseline: Variant, costs: PassCosts,
+    base_rate: float, baseline: Variant, costs: PassCosts,
 ) -> Row:
     chosen = [runs[(w, p, variant)] for w, p in keys]
     seconds = sum(statistics.median(r.seconds for r in repeats) for repeats in chosen)
@@ -188,7 +192,7 @@ def _row(
         variant=variant,
         tokens=tokens,
         seconds=seconds,
-        speedup=base_seconds / seconds if seconds > 0 else 0.0,
+        speedup=tokens / seconds / base_rate if seconds > 0 and base_rate > 0 else 0.0,
         acceptance_rate=alpha,
         mean_acceptance_length=total.mean_acceptance_length if drafts else None,
         mean_k=mean_k,

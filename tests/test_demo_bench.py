@@ -269,3 +269,15 @@ def test_find_divergences_locates_each_differing_run(tmp_path: Path) -> None:
         2, plain[2], worst
     )
     assert not divergence.within_rounding
+
+
+def test_a_shorter_answer_is_not_a_faster_one() -> None:
+    """The speedup is tokens per second over plain decoding's: a near-tie that ends an answer
+    after half the tokens in half the time is 1x, not 2x."""
+    plain, short = (1, 2, 3, 4), (1, 2)
+    table: RunTable = {
+        ("code", "p1", NONE): [Run(plain, 4.0, _stats("none", 0, 0, 0))],
+        ("code", "p1", NGRAM): [Run(short, 2.0, _stats("ngram", 1, 4, 0))],
+    }
+    rows = {r.variant: r for r in summarise(table, [NONE, NGRAM], COSTS)}
+    assert rows[NGRAM].speedup == pytest.approx(1.0)
