@@ -22,6 +22,7 @@ from gateway.backends.local import LocalBackend
 from gateway.dependencies import Services
 from gateway.server import GracefulServer, uvicorn_config
 from gateway.settings import Settings
+from tests.tiny_models import build_pair
 
 PG_SERVER = "postgresql://postgres@127.0.0.1:5432"
 
@@ -110,3 +111,14 @@ def gateway_settings(
         log_format="console",
         **extra,  # type: ignore[arg-type]
     )
+
+
+@contextmanager
+def tiny_pair_gateway(root: Path) -> Iterator[LiveGateway]:
+    """The tiny test pair (built under ``root``) served on a fresh PostgreSQL database."""
+    models = build_pair(root / "models")
+    with (
+        fresh_database() as (name, url),
+        live_gateway(gateway_settings(models, root / "data", url), name) as live,
+    ):
+        yield live

@@ -11,8 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
-from tests.tiny_models import build_pair
+from tests.api_harness import LiveGateway, tiny_pair_gateway
 
 MODEL = "target"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
@@ -20,12 +19,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
-    root = tmp_path_factory.mktemp("writes")
-    models = build_pair(root / "models")
-    with (
-        fresh_database() as (name, url),
-        live_gateway(gateway_settings(models, root / "data", url), name) as live,
-    ):
+    with tiny_pair_gateway(tmp_path_factory.mktemp("writes")) as live:
         yield live
 
 
