@@ -96,13 +96,20 @@ class PgInstance:
                     pids.append(int(entry.name))
         return pids
 
-    def pause(self) -> None:
+    def _signal(self, signum: signal.Signals) -> None:
+        """``signum`` to the postmaster and its children; a backend that exited after it was
+        listed is no longer there to signal (a connection closing as a test tears down)."""
         for pid in self._pids():
-            os.kill(pid, signal.SIGSTOP)
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                continue
+
+    def pause(self) -> None:
+        self._signal(signal.SIGSTOP)
 
     def resume(self) -> None:
-        for pid in self._pids():
-            os.kill(pid, signal.SIGCONT)
+        self._signal(signal.SIGCONT)
         time.sleep(0.1)
 
 
