@@ -64,7 +64,8 @@ class SlotBatch:
     # its last position again: masked, but finite).
     write_index: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     read_index: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    # Per batch row, (arena offset, positions attention reads): its own prefix and rows.
+    # Set by ``prepare`` for a shared pass of a ``per_sequence`` cache: per batch row, (arena
+    # offset, positions attention reads), its own prefix and rows.
     spans: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -213,11 +214,12 @@ class SlotCache(DynamicCache):
         starts = torch.tensor(batch.starts)
         rows = torch.arange(batch.rows)
         batch.write_index = (offsets + starts)[:, None].add(rows[None, :]).reshape(-1)
-        batch.spans = [
-            (self.offset(slot), start + batch.rows)
-            for slot, start in zip(batch.slots, batch.starts, strict=True)
-        ]
-        if len(batch.slots) > 1 and not self.per_sequence:
+        if len(batch.slots) > 1 and self.per_sequence:
+            batch.spans = [
+                (self.offset(slot), start + batch.rows)
+                for slot, start in zip(batch.slots, batch.starts, strict=True)
+            ]
+        elif len(batch.slots) > 1:
             last = starts + batch.rows - 1
             positions = torch.minimum(torch.arange(batch.kv_length)[None, :], last[:, None])
             batch.read_index = (offsets[:, None] + positions).reshape(-1)

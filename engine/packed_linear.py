@@ -81,4 +81,3 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     return len(targets) + len(fused)
-
