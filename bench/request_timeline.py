@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import psycopg
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.service import RequestHandle
@@ -37,6 +38,8 @@ PIECES: dict[str, str] = {
     "prepare returned": "hand-off back to the loop",
     "request commit submitted": "GenAI span, prompt commitment, `request` payload",
     "request commit started": "hand-off to the database pool (an append from the pool)",
+    "request commit sent": "from the loop: the event built (chain, MAC), up to the statement",
+    "request commit adapted": "from the loop: psycopg turning the parameters into bytes",
     "request commit finished": "`request` append and commit (from the loop: its round trip)",
     "request commit returned": "hand-off back to the awaiting request",
     "engine submitted": "on the loop before the engine",
@@ -45,6 +48,8 @@ PIECES: dict[str, str] = {
     "engine returned": "hand-off from the engine's thread back to the loop",
     "completion commit submitted": "`completion` payload, metrics, span attributes",
     "completion commit started": "hand-off to the database pool (an append from the pool)",
+    "completion commit sent": "from the loop: the event built, what runs before the statement",
+    "completion commit adapted": "from the loop: psycopg turning the parameters into bytes",
     "completion commit finished": "`completion` append and commit (from the loop: its round trip)",
     "completion commit returned": "hand-off back to the awaiting request",
     "response started": "response built (pydantic, JSON), middleware",
@@ -189,6 +194,33 @@ def instrument(services: Services, timeline: Timeline) -> None:
 
     appender = services.appender
     submit_append = appender.submit
+    connected = appender._connected
+
+    async def stamped_connected() -> Any:
+        """The loop's connection, its statements stamped as they are handed to psycopg."""
+        connection = await connected()
+        if "execute" not in vars(connection):
+            execute = connection.execute
+
+            async def stamped_execute(query: Any, params: Any = None, **kwargs: Any) -> Any:
+                if isinstance(params, dict) and params.get("kind"):
+                    timeline.mark(f"{params['kind'][0]} commit sent")
+                return await execute(query, params, **kwargs)
+
+            connection.execute = stamped_execute  # type: ignore[method-assign]
+        return connection
+
+    # The parameters' conversion ends where the statement leaves: stamped on psycopg's cursor
+    # class (this process only), for the two audit appends.
+    convert = psycopg.AsyncCursor._convert_query
+
+    def stamped_convert(cursor: Any, query: Any, params: Any = None) -> Any:
+        converted = convert(cursor, query, params)
+        if isinstance(params, dict) and params.get("kind"):
+            timeline.mark(f"{params['kind'][0]} commit adapted")
+        return converted
+
+    psycopg.AsyncCursor._convert_query = stamped_convert  # type: ignore[method-assign]
 
     def stamped_submit_append(kind: str, actor: str | None, payload: dict[str, Any]) -> Any:
         what = f"{kind} commit"
@@ -211,4 +243,5 @@ def instrument(services: Services, timeline: Timeline) -> None:
     offload.submit_db = stamped_submit_db  # type: ignore[method-assign]
     offload.wait_db = stamped_wait_db  # type: ignore[method-assign]
     appender.submit = stamped_submit_append  # type: ignore[method-assign]
+    appender._connected = stamped_connected  # type: ignore[method-assign]
     backend.submit = stamped_submit  # type: ignore[method-assign]

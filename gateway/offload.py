@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
@@ -22,6 +23,37 @@ from gateway.audit.log import AuditUnavailableError
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+def settled_on_loop(future: Future[T]) -> asyncio.Future[T]:
+    """An asyncio future of the running loop that takes ``future``'s outcome. Settled by the
+    loop's own thread (an append from the event loop, ``gateway.audit.loop_append``), it is
+    settled at once; by another thread, through the loop's self-pipe, as ``wrap_future``
+    does. Cancelling it (a wait that gives up) leaves ``future`` to complete."""
+    loop = asyncio.get_running_loop()
+    loop_thread = threading.get_ident()
+    waiter: asyncio.Future[T] = loop.create_future()
+
+    def settle(done: Future[T]) -> None:
+        if waiter.done():
+            return
+        if done.cancelled():
+            waiter.cancel()
+            return
+        error = done.exception()
+        if error is not None:
+            waiter.set_exception(error)
+        else:
+            waiter.set_result(done.result())
+
+    def copy(done: Future[T]) -> None:
+        if threading.get_ident() == loop_thread:
+            settle(done)
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(settle, done)
+
+    future.add_done_callback(copy)
+    return waiter
 
 
 class Offload:
@@ -41,9 +73,7 @@ class Offload:
         """Await a database call started with ``submit_db``; raises AuditUnavailableError
         once ``timeout_s`` has passed (the call itself goes on and may still complete)."""
         try:
-            return await asyncio.wait_for(
-                asyncio.shield(asyncio.wrap_future(future)), self.timeout_s
-            )
+            return await asyncio.wait_for(settled_on_loop(future), self.timeout_s)
         except TimeoutError:
             raise AuditUnavailableError(
                 f"audit store unavailable: {what} did not answer within {self.timeout_s:g} s"

@@ -8,6 +8,7 @@ subject by keyed reference only.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -61,6 +62,9 @@ async def append_durably(
     )
     failure: BaseException | None = None
     if meanwhile is not None:
+        # From the loop, the statement leaves in the append task's first step: let that run
+        # first, so that ``meanwhile`` runs during the commit's flush instead of before it.
+        await asyncio.sleep(0)
         try:
             meanwhile()
         except BaseException as error:  # the event is committed or spooled first

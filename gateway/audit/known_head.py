@@ -25,24 +25,28 @@ import sqlalchemy as sa
 from gateway.audit.merkle import CompactRange
 
 # The events, the nodes and the new head, only if the head is the one known (``moved``).
+# Every parameter goes in binary (``%(name)b``): in text format psycopg writes each array
+# element through Python regular expressions, quoting and escaping it, and a payload's JSON
+# text has a backslash-escaped quote every few characters. For a `request` event that took
+# 0.35-0.55 ms per append, before the statement could leave; in binary, 0.10-0.12 ms.
 APPEND = """
 WITH moved AS (
     UPDATE audit_head
-    SET tree_size = %(new_size)s, head_hash = %(new_hash)s, frontier = %(new_frontier)s
-    WHERE id = 1 AND tree_size = %(size)s AND head_hash = %(hash)s AND frontier = %(frontier)s
-        AND set_config('lock_timeout', %(lock_timeout)s, true) IS NOT NULL
+    SET tree_size = %(new_size)b, head_hash = %(new_hash)b, frontier = %(new_frontier)b
+    WHERE id = 1 AND tree_size = %(size)b AND head_hash = %(hash)b AND frontier = %(frontier)b
+        AND set_config('lock_timeout', %(lock_timeout)b, true) IS NOT NULL
     RETURNING id
 ), events AS (
     INSERT INTO audit_events
         (seq, event_id, created_at, kind, actor, payload, prev_hash, event_hash, mac)
     SELECT e.* FROM moved, unnest(
-        %(seq)s::bigint[], %(event_id)s::varchar[], %(created_at)s::timestamptz[],
-        %(kind)s::varchar[], %(actor)s::varchar[], %(payload)s::text[]::json[],
-        %(prev_hash)s::varchar[], %(event_hash)s::varchar[], %(mac)s::varchar[]
+        %(seq)b::bigint[], %(event_id)b::varchar[], %(created_at)b::timestamptz[],
+        %(kind)b::varchar[], %(actor)b::varchar[], %(payload)b::text[]::json[],
+        %(prev_hash)b::varchar[], %(event_hash)b::varchar[], %(mac)b::varchar[]
     ) AS e
 ), nodes AS (
     INSERT INTO audit_merkle_nodes (level, idx, hash)
-    SELECT n.* FROM moved, unnest(%(level)s::smallint[], %(idx)s::bigint[], %(node)s::bytea[])
+    SELECT n.* FROM moved, unnest(%(level)b::smallint[], %(idx)b::bigint[], %(node)b::bytea[])
         AS n
 )
 SELECT count(*) FROM moved
