@@ -373,6 +373,10 @@ def measure(
                     if marks:
                         rounds.stamps[path].append(marks)
         waiting.close()
+    # The next phase (and ``instrument``) must find the loop's appender, not the pool mode's
+    # if that ran last: with 100 requests it did, and the stamped phase then sent the strict
+    # and overlap modes' appends through the pool too.
+    services.appender = from_loop
     return rounds
 
 

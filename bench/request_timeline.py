@@ -4,7 +4,9 @@
 gateway is changed for it), each place a request crosses a thread or a stage: the ASGI entry
 and the response's first and last send, the hand-off to the prepare pool and back, each audit
 commit's start, its hand-off to the database pool and work there when it goes through the
-pool, its answer and the way back to the request, the engine's first and
+pool, or, from the event loop, the statement handed to psycopg and the moment psycopg has
+turned its parameters into bytes (when it leaves), its answer and the way back to the
+request, the engine's first and
 last delta and the wake-up of the loop that waits for them. The client adds its own send and
 receive. Consecutive stamps cut a request into intervals that sum, by construction, to what the
 client measured; each interval is charged to the stamp that ends it (``PIECES`` names what
