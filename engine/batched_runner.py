@@ -102,6 +102,16 @@ class BatchedRunner:
         batch, rows = len(feeds), max(len(feed.tokens) for feed in feeds)
         starts = [self.lengths[feed.slot] for feed in feeds]
         kv_length = max(starts) + rows
+        slots = SlotBatch([feed.slot for feed in feeds], starts, rows, kv_length)
+        if self.lean is not None and rows == 1:
+            # One row per sequence sees all of its own prefix, and the lean forward attends
+            # each sequence over its own extent: SDPA without a mask computes the same
+            # (bitwise, tests/test_engine_lean_llama.py), without converting one per call.
+            self.cache.prepare(slots)
+            ids = torch.tensor([feed.tokens for feed in feeds])
+            positions = torch.tensor(starts)[:, None]
+            return self._lean_pass(ids, positions, None, slots, [1] * batch, last_only,
+                                   want_hidden)
         ids = torch.zeros((batch, rows), dtype=torch.long)
         positions = torch.zeros((batch, rows), dtype=torch.long)
         mask = torch.zeros((batch, 1, rows, kv_length), dtype=torch.bool)
@@ -117,7 +127,6 @@ class BatchedRunner:
                 mask[b, 0, :n, start : start + n] = ancestor_mask(feed.parents)
             positions[b, n:] = start
             mask[b, 0, n:, start] = True  # padding rows: see row 0, never read
-        slots = SlotBatch([feed.slot for feed in feeds], starts, rows, kv_length)
         self.cache.prepare(slots)
         spans = {"slot_spans": slots.spans} if self._per_sequence and batch > 1 else {}
         attention = mask.to(self.device)
@@ -166,14 +175,15 @@ class BatchedRunner:
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         slots: SlotBatch,
         sizes: list[int],
         last_only: bool,
         want_hidden: bool,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """The pass on ``self.lean``: the LM head over the rows returned only (each feed's
-        own rows; with ``last_only`` the padded batch's last row, as HF's ``logits_to_keep``)."""
+        """The pass on ``self.lean`` (``mask`` None: one row per sequence): the LM head over
+        the rows returned only (each feed's own rows; with ``last_only`` the padded batch's
+        last row, as HF's ``logits_to_keep``)."""
         assert self.lean is not None
         batch, width = ids.shape
         if last_only:
@@ -181,14 +191,9 @@ class BatchedRunner:
         else:
             wanted = [b * width + r for b, n in enumerate(sizes) for r in range(n)]
         rows = None if len(wanted) == batch * width else torch.tensor(wanted)
-        spans = slots.spans if self._per_sequence and batch > 1 else None
-        # One row per sequence sees all of its own prefix: SDPA without a mask computes the
-        # same (bitwise, tests/test_engine_lean_llama.py) without converting one per call.
-        # (Through the padded gather, batch > 1 without spans, the mask hides the padding.)
-        decode = width == 1 and (batch == 1 or spans is not None)
+        spans = slots.spans if batch > 1 else None  # lean: the per-sequence attention
         logits, states = self.lean.forward(
-            ids.to(self.device), positions.to(self.device), None if decode else mask,
-            self.cache, spans,
+            ids.to(self.device), positions.to(self.device), mask, self.cache, spans,
             None if rows is None else rows.to(self.device),
         )
         for b, n in enumerate(sizes):
