@@ -103,7 +103,7 @@ class BatchedRunner:
         starts = [self.lengths[feed.slot] for feed in feeds]
         kv_length = max(starts) + rows
         slots = SlotBatch([feed.slot for feed in feeds], starts, rows, kv_length)
-        if self.lean is not None and rows == 1:
+        if self.lean is not None and rows == 1 and (batch == 1 or self._per_sequence):
             # One row per sequence sees all of its own prefix, and the lean forward attends
             # each sequence over its own extent: SDPA without a mask computes the same
             # (bitwise, tests/test_engine_lean_llama.py), without converting one per call.
@@ -191,7 +191,7 @@ class BatchedRunner:
         else:
             wanted = [b * width + r for b, n in enumerate(sizes) for r in range(n)]
         rows = None if len(wanted) == batch * width else torch.tensor(wanted)
-        spans = slots.spans if batch > 1 else None  # lean: the per-sequence attention
+        spans = slots.spans if self._per_sequence and batch > 1 else None
         logits, states = self.lean.forward(
             ids.to(self.device), positions.to(self.device), mask, self.cache, spans,
             None if rows is None else rows.to(self.device),
