@@ -19,9 +19,10 @@ matters for the bits, with less around it:
 
 Element-wise results are those of HF's forward over the same fused products
 (``engine.fused_projections``): the same operators in the same dtypes, in the same order
-(``tests/test_engine_lean_llama.py`` checks logits against HF's forward, bitwise on the
-demo-shaped model and within 1e-4 in float32 against the unfused model, over ragged
-batches, trees and padding). Only exact ``LlamaForCausalLM`` models whose every layer is
+(``tests/test_engine_lean_llama.py`` checks logits and hidden states bitwise against HF's
+modules over the same fused model in float32 and bfloat16, and within 1e-4 in float32
+against the unfused model, over ragged batches, trees and padding; the demo target gave
+bitwise HF's logits too). Only exact ``LlamaForCausalLM`` models whose every layer is
 HF's own Llama decoder layer, fused by ``engine.packed_linear.pack_linear_weights``, with
 SiLU, the CPU attention of ``engine.attention`` and no hooks, take it (``lean_model``);
 everything else keeps HF's modules.
