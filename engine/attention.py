@@ -68,8 +68,8 @@ def cpu_gqa_sdpa_forward(
         if attention_mask is not None and attention_mask.is_floating_point():
             attention_mask = attention_mask.float()
     if spans is not None:
-        if attention_mask is None:
-            raise ValueError("per-sequence attention needs the pass's mask")
+        if attention_mask is None and query.shape[2] > 1:
+            raise ValueError("per-sequence attention of several rows needs the pass's mask")
         out = _attend_each_sequence(query, key, value, attention_mask, spans, scaling)
         return out.transpose(1, 2).contiguous().to(dtype), None
     # A cache kept in float32 under a half-precision model holds the model's values exactly.
@@ -91,21 +91,22 @@ def _attend_each_sequence(
     query: torch.Tensor,
     arena_keys: torch.Tensor,
     arena_values: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     spans: list[tuple[int, int]],
     scaling: float | None,
 ) -> torch.Tensor:
     """Attention of batch row ``b`` over positions ``[offset, offset + length)`` of the
     arenas (``[1, kv_heads, positions, head_dim]``, ``spans[b]``), with the first ``length``
-    columns of its mask, in the query's dtype: the same computation as a pass of that
-    sequence alone, without a padded copy of every sequence's keys and values."""
+    columns of its mask (None: one query row per sequence, seeing all of its extent), in the
+    query's dtype: the same computation as a pass of that sequence alone, without a padded
+    copy of every sequence's keys and values."""
     outs = []
     for b, (offset, length) in enumerate(spans):
         keys = arena_keys[:, :, offset : offset + length].to(query.dtype)
         values = arena_values[:, :, offset : offset + length].to(query.dtype)
+        row_mask = None if mask is None else mask[b : b + 1, :, :, :length]
         outs.append(F.scaled_dot_product_attention(
-            query[b : b + 1], keys, values, attn_mask=mask[b : b + 1, :, :, :length],
-            scale=scaling, enable_gqa=True,
+            query[b : b + 1], keys, values, attn_mask=row_mask, scale=scaling, enable_gqa=True,
         ))
     return torch.cat(outs)
 

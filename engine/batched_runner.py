@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from engine.attention import CPU_GQA_SDPA
 from engine.batched_cache import SlotBatch, SlotCache
+from engine.lean_llama import lean_model
 from engine.tree import ancestor_mask, depths
 
 # Attention implementations that take a boolean mask (True = attend); others get an additive one.
@@ -39,7 +40,13 @@ class BatchedRunner:
     depend on what shares the batch (batched kernels reduce in another order than a pass of
     one, which in bfloat16 can flip a greedy near-tie); slower, since passes are not shared."""
 
-    def __init__(self, model: PreTrainedModel, max_slots: int, invariant: bool = False) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        max_slots: int,
+        invariant: bool = False,
+        lean: bool = True,
+    ) -> None:
         self.model = model
         self.invariant = invariant
         self.device = model.device
@@ -52,6 +59,9 @@ class BatchedRunner:
         self.cache = SlotCache(model.config, max_slots, arena_dtype, self._per_sequence)
         self.lengths = [0] * max_slots
         self._bool_mask = model.config._attn_implementation in _BOOL_MASK_ATTENTION
+        # Fused Llama-shaped models run engine.lean_llama's forward (HF's arithmetic, fewer
+        # calls); the rest HF's modules. Decided once: the model is packed before this.
+        self.lean = lean_model(model) if lean else None
 
     def forward(self, feeds: list[Feed], last_only: bool = False) -> list[torch.Tensor]:
         """Run every feed; float32 logits ``[rows, vocab]`` per feed (``[1, vocab]`` with
@@ -92,6 +102,16 @@ class BatchedRunner:
         batch, rows = len(feeds), max(len(feed.tokens) for feed in feeds)
         starts = [self.lengths[feed.slot] for feed in feeds]
         kv_length = max(starts) + rows
+        slots = SlotBatch([feed.slot for feed in feeds], starts, rows, kv_length)
+        if self.lean is not None and rows == 1 and (batch == 1 or self._per_sequence):
+            # One row per sequence sees all of its own prefix, and the lean forward attends
+            # each sequence over its own extent: SDPA without a mask computes the same
+            # (bitwise, tests/test_engine_lean_llama.py), without converting one per call.
+            self.cache.prepare(slots)
+            ids = torch.tensor([feed.tokens for feed in feeds])
+            positions = torch.tensor(starts)[:, None]
+            return self._lean_pass(ids, positions, None, slots, [1] * batch, last_only,
+                                   want_hidden)
         ids = torch.zeros((batch, rows), dtype=torch.long)
         positions = torch.zeros((batch, rows), dtype=torch.long)
         mask = torch.zeros((batch, 1, rows, kv_length), dtype=torch.bool)
@@ -107,10 +127,12 @@ class BatchedRunner:
                 mask[b, 0, :n, start : start + n] = ancestor_mask(feed.parents)
             positions[b, n:] = start
             mask[b, 0, n:, start] = True  # padding rows: see row 0, never read
-        slots = SlotBatch([feed.slot for feed in feeds], starts, rows, kv_length)
         self.cache.prepare(slots)
         spans = {"slot_spans": slots.spans} if self._per_sequence and batch > 1 else {}
         attention = mask.to(self.device)
+        sizes = [len(feed.tokens) for feed in feeds]
+        if self.lean is not None:
+            return self._lean_pass(ids, positions, attention, slots, sizes, last_only, want_hidden)
         if not self._bool_mask:
             floor = torch.finfo(self.model.dtype).min
             attention = torch.zeros(mask.shape, dtype=self.model.dtype, device=self.device)
@@ -143,12 +165,42 @@ class BatchedRunner:
         logits = out.logits.float()
         if last_only:  # the padded batch's last row (the feed's own where there is one)
             return [logits[b] for b in range(batch)], None
-        sizes = [len(feed.tokens) for feed in feeds]
         hidden = None
         if captured:
             states = captured[0].float()
             hidden = [states[b, :n] for b, n in enumerate(sizes)]
         return [logits[b, :n] for b, n in enumerate(sizes)], hidden
+
+    def _lean_pass(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        slots: SlotBatch,
+        sizes: list[int],
+        last_only: bool,
+        want_hidden: bool,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The pass on ``self.lean`` (``mask`` None: one row per sequence): the LM head over
+        the rows returned only (each feed's own rows; with ``last_only`` the padded batch's
+        last row, as HF's ``logits_to_keep``)."""
+        assert self.lean is not None
+        batch, width = ids.shape
+        if last_only:
+            wanted = [b * width + width - 1 for b in range(batch)]
+        else:
+            wanted = [b * width + r for b, n in enumerate(sizes) for r in range(n)]
+        rows = None if len(wanted) == batch * width else torch.tensor(wanted)
+        spans = slots.spans if self._per_sequence and batch > 1 else None
+        logits, states = self.lean.forward(
+            ids.to(self.device), positions.to(self.device), mask, self.cache, spans,
+            None if rows is None else rows.to(self.device),
+        )
+        for b, n in enumerate(sizes):
+            self.lengths[slots.slots[b]] += n
+        counts = [1] * batch if last_only else sizes
+        hidden = list(states.float().split(counts)) if want_hidden else None
+        return list(logits.float().split(counts)), hidden
 
     def truncate(self, slot: int, length: int) -> None:
         if length > self.lengths[slot]:

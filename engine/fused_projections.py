@@ -48,10 +48,13 @@ class FusedPackedLinear(torch.nn.Module):
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 
-    def forward(self, input: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def product(self, input: torch.Tensor) -> torch.Tensor:
+        """The layers' outputs side by side, ``[..., sum(sizes)]``."""
         weight, bias = self.packed_weight, self.bias
-        out = torch.ops.mkldnn._linear_pointwise(input, weight, bias, "none", [], "")
-        return tuple(out.split(self.sizes, dim=-1))
+        return torch.ops.mkldnn._linear_pointwise(input, weight, bias, "none", [], "")
+
+    def forward(self, input: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self.product(input).split(self.sizes, dim=-1))
 
 
 def _fused(module: torch.nn.Module, name: str) -> FusedPackedLinear:

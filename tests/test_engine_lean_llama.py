@@ -1,0 +1,151 @@
+"""The lean Llama forward (``engine.lean_llama``) computes what HF's modules compute.
+
+On a tiny fused Llama model, the batched runner's lean passes give bitwise the logits and
+hidden states of the same runner on HF's modules (``lean=False``), in float32 and bfloat16,
+over ragged prefill with padding rows, decode rows with and without other sequences (decode
+passes attend without a mask), trees, rollbacks and kept tree paths; against the unfused HF
+model in float32 within 1e-4 with the same greedy tokens; and batched greedy decoding gives
+each sequence the tokens of its decoding alone on HF's modules. Models the lean forward does
+not cover keep HF's forward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from engine.batched_cache import SlotBatch
+from engine.batched_runner import BatchedRunner, Feed
+from engine.lean_llama import LeanLlama, lean_model
+from engine.loading import load_model
+from engine.packed_linear import pack_linear_weights
+from tests.tiny_models import build_model, build_tokenizer
+
+CPU = torch.device("cpu")
+FLOAT32_TOLERANCE = 1e-4  # against the unfused model: sums in another order
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer = build_tokenizer()
+    return build_model(tmp_path_factory.mktemp("lean") / "target", tokenizer, seed=5, layers=3)
+
+
+def served(target: Path, dtype: str) -> PreTrainedModel:
+    model = load_model(target, CPU, dtype)  # type: ignore[arg-type]
+    pack_linear_weights(model)
+    return model
+
+
+def prompts() -> list[list[int]]:
+    return [[(7 * i + 3 * s) % 250 + 4 for i in range(n)] for s, n in enumerate((9, 23, 4, 15))]
+
+
+def passes() -> list[tuple[list[Feed], bool]]:
+    """(feeds, last_only) in order over 4 slots: every kind of pass the engine runs (several
+    feeds with last_only: a ``fill``)."""
+    chunks = prompts()
+    return [
+        ([Feed(0, chunks[0])], True),  # a prefill chunk alone
+        ([Feed(s, chunks[s]) for s in (1, 2, 3)], False),  # ragged prefill, padding rows
+        ([Feed(s, [40 + s]) for s in range(4)], False),  # decode rows, no mask
+        ([Feed(2, [50])], False),  # one decode row alone
+        ([Feed(0, [41]), Feed(1, [42, 50, 51, 52, 53], (-1, -1, 0, 0)), Feed(3, [43, 60])],
+         False),  # a decode row beside a tree and a chain (padded)
+        ([Feed(s, [44 + s, 45]) for s in range(4)], True),  # a fill: no logits
+        ([Feed(s, [46 + s]) for s in (3, 0, 1)], False),  # decode after it, slots reordered
+    ]
+
+
+def run(runner: BatchedRunner, hidden: bool) -> list[list[torch.Tensor]]:
+    """Every pass's logits (and hidden states), with a rollback and a kept tree path."""
+    out = []
+    for index, (feeds, last_only) in enumerate(passes()):
+        if last_only and len(feeds) > 1:
+            runner.fill(feeds)
+        elif hidden and not last_only:
+            logits, states = runner.forward_hidden(feeds)
+            out += [logits, states]
+        else:
+            out.append(runner.forward(feeds, last_only=last_only))
+        if index == 4:
+            runner.truncate(0, runner.lengths[0] - 1)  # reject the decode row
+            runner.keep_path(1, runner.lengths[1] - 4, [0, 2])  # node 0 and its child 2
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("hidden", [False, True])
+def test_lean_passes_give_hf_modules_logits_bitwise(target: Path, dtype: str, hidden: bool) -> None:
+    model = served(target, dtype)
+    lean = BatchedRunner(model, max_slots=4)
+    modules = BatchedRunner(model, max_slots=4, lean=False)
+    assert isinstance(lean.lean, LeanLlama) and modules.lean is None
+    got, expected = run(lean, hidden), run(modules, hidden)
+    assert len(got) == len(expected)
+    for one, other in zip(got, expected, strict=True):
+        assert [t.shape for t in one] == [t.shape for t in other]
+        assert all(torch.equal(a, b) for a, b in zip(one, other, strict=True))
+    assert lean.lengths == modules.lengths
+
+
+def test_lean_passes_match_the_unfused_model_in_float32(target: Path) -> None:
+    lean = BatchedRunner(served(target, "float32"), max_slots=4)
+    unfused = BatchedRunner(load_model(target, CPU, "float32"), max_slots=4)
+    assert lean.lean is not None and unfused.lean is None
+    for one, other in zip(run(lean, False), run(unfused, False), strict=True):
+        for a, b in zip(one, other, strict=True):
+            assert (a - b).abs().max().item() <= FLOAT32_TOLERANCE
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_greedy_decoding_gives_each_sequence_its_tokens_alone(
+    target: Path, dtype: str
+) -> None:
+    model = served(target, dtype)
+
+    def decode(runner: BatchedRunner, slots: list[int], steps: int) -> dict[int, list[int]]:
+        chunks = prompts()
+        tokens = {}
+        for slot in slots:
+            logits = runner.forward([Feed(slot, chunks[slot])], last_only=True)[0]
+            tokens[slot] = [int(logits[-1].argmax())]
+        for _ in range(steps):
+            out = runner.forward([Feed(slot, [tokens[slot][-1]]) for slot in slots])
+            for slot, logits in zip(slots, out, strict=True):
+                tokens[slot].append(int(logits[-1].argmax()))
+        return tokens
+
+    batched = decode(BatchedRunner(model, max_slots=4), [0, 1, 2, 3], 12)
+    for slot in range(4):
+        alone = decode(BatchedRunner(model, max_slots=4, lean=False), [slot], 12)
+        assert batched[slot] == alone[slot]
+
+
+def test_models_the_lean_forward_does_not_cover_keep_hf_modules(target: Path) -> None:
+    assert lean_model(load_model(target, CPU, "float32")) is None  # not fused
+    eager = served(target, "float32")
+    eager.set_attn_implementation("eager")
+    assert lean_model(eager) is None
+    hooked = served(target, "float32")
+    hooked.model.layers[1].mlp.register_forward_hook(lambda *_: None)
+    assert lean_model(hooked) is None
+    assert BatchedRunner(hooked, max_slots=2).lean is None
+    assert lean_model(served(target, "float32")) is not None
+
+
+def test_per_sequence_attention_of_several_rows_needs_a_mask(target: Path) -> None:
+    lean = BatchedRunner(served(target, "float32"), max_slots=2)
+    for slot in range(2):
+        lean.forward([Feed(slot, prompts()[slot][:5])], last_only=True)
+    assert lean.lean is not None
+    ids = torch.tensor([[4, 5], [6, 7]])
+    positions = torch.tensor([[5, 6], [5, 6]])
+    slots = SlotBatch([0, 1], [5, 5], 2, 7)
+    lean.cache.prepare(slots)
+    with pytest.raises(ValueError, match="needs the pass's mask"), torch.inference_mode():
+        lean.lean.forward(ids, positions, None, lean.cache, slots.spans, None)
