@@ -334,6 +334,33 @@ def test_grown_tree_is_valid_and_ranked(
     assert set(paths) == set(reference)
 
 
+def test_no_draft_pass_grows_a_level_the_re_ranking_would_cut() -> None:
+    # The root's two best tokens are near-certain and every deeper token has log-probability
+    # -5 or less: once the first draft pass has given their children, the 3 best nodes
+    # outscore every possible descendant, so the third level (a draft pass) is not run, and
+    # the tree is unchanged.
+    tree, budget = EagleTree(num_steps=5, eagle_topk=2, num_draft_tokens=3), 3
+    sure = torch.full((VOCAB,), -9.0)
+    sure[3], sure[7] = -0.01, -0.02
+    unsure = torch.full((VOCAB,), -5.0)
+
+    def log_probs(path: tuple[int, ...]) -> torch.Tensor:
+        return sure if not path else unsure - 0.1 * len(path)
+
+    calls: list[int] = []
+
+    def expand(frontier: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+        calls.append(len(frontier))
+        paths = [tuple(tokens[n] for n in path_to(parents, node)) for node in frontier]
+        return torch.stack([log_probs(path) for path in paths])
+
+    grown = grow_tree(log_probs(()), expand, tree, budget)
+    assert calls == [2]
+    reference = _brute_force(log_probs, tree, budget)
+    assert {tuple(grown.tokens[n] for n in path_to(grown.parents, i))
+            for i in range(len(grown.tokens))} == set(reference)
+
+
 def test_heads_cli_trains_eagle_and_serve_settings_pick_it(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:

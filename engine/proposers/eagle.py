@@ -92,17 +92,30 @@ def grow_tree(
                 added.append(len(tokens) - 1)
         return added
 
+    def rank(i: int) -> tuple[float, int, int]:
+        return (-scores[i], depths[i], i)
+
     frontier = add_children(root[None], [-1])
     for _ in range(steps - 1):
+        if _settled(frontier, scores, sorted(range(len(tokens)), key=rank), budget):
+            break
         children = add_children(expand(frontier, tokens, parents), frontier)
         frontier = sorted(children, key=lambda i: (-scores[i], i))[:topk]
-    kept = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:budget]
+    kept = sorted(range(len(tokens)), key=rank)[:budget]
     index = {node: rank for rank, node in enumerate(kept)}
     return DraftTree(
         tokens=[tokens[i] for i in kept],
         parents=tuple(-1 if parents[i] < 0 else index[parents[i]] for i in kept),
         scores=[scores[i] for i in kept],
     )
+
+
+def _settled(frontier: list[int], scores: list[float], ranked: list[int], budget: int) -> bool:
+    """Whether no deeper node can enter the best ``budget``: a descendant of the frontier
+    scores at most its frontier ancestor and, deeper than every node so far, loses ties, so
+    once ``budget`` nodes score at least the frontier's best, further levels (a draft pass
+    each) would all be cut by the re-ranking."""
+    return len(ranked) >= budget and max(scores[i] for i in frontier) <= scores[ranked[budget - 1]]
 
 
 class EagleProposer:
