@@ -225,6 +225,10 @@ class Engine:
             return f"continuous (max_num_seqs={self.config.max_num_seqs}{invariant})"
         return f"one request at a time ({self._batching_blocked_by})"
 
+    def new_proposer(self, method: Method) -> Proposer:
+        """A fresh proposer of a loaded method, configured as requests get it."""
+        return self._new_proposer[method]()
+
     def speculation_crossover(self, method: Method) -> float:
         """The smallest batch size at which a batch of new requests with the method chooses
         plain steps (k = 0) from the measured step costs and the method's current acceptance
