@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from engine import decoding
+from engine.adaptive import PassCosts
 from engine.config import EngineConfig, SpeculativeConfig, speculative_config_from_vllm
 from engine.heads import heads_method
 from engine.heads.data import features
@@ -217,6 +218,38 @@ def test_proposed_tree_equals_eagle2_over_fresh_draft_passes(
     for path, score in reference.items():
         assert math.isclose(scores[path], score, abs_tol=1e-4), path
     assert proposal.probs is None  # deterministic picks: q is one-hot
+
+
+def test_the_tree_stops_growing_where_a_level_costs_more_than_it_can_add(
+    trained: tuple[Path, Path],
+) -> None:
+    """With measured costs, a level grows only while its frontier's probability mass, in
+    one-token target passes, outweighs its draft pass: a target pass made nearly free leaves
+    only the first level (no draft pass pays), a dear one lets every level grow."""
+    target, heads = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    draft = load_eagle(
+        heads, model.get_input_embeddings(), head, 64, model.config.vocab_size,
+        model_version(target),
+    )
+    tokens = load_tokenizer(target).encode("for i in range(10):\n    print(i")
+    hidden = features(model, [tokens])[0]
+    deepest: dict[tuple[float, int], int] = {}
+    for plain_seconds in (1e-9, 1e3):
+        costs = PassCosts()
+        costs.record_target(1, plain_seconds)
+        proposer = EagleProposer(draft, EagleTree(4, 2, 16), costs=costs)
+        for attempt in range(2):
+            proposer.start(tokens)
+            proposer.observe_hidden(hidden[: len(tokens) - 1])
+            params = SamplingParams(max_tokens=32)
+            proposal = proposer.propose(tokens, 16, params, torch.Generator())
+            deepest[plain_seconds, attempt] = max(depths(proposal.parent_indices()))
+    # The first level's draft pass is the first measured: then no further level pays.
+    assert deepest[1e-9, 0] == 2 and deepest[1e-9, 1] == 1
+    assert deepest[1e3, 0] == deepest[1e3, 1] == 4
 
 
 @pytest.mark.parametrize("k", [None, 3, 10, 16])
