@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.adaptive import Ewma, PassCosts
+from engine.adaptive import PassCosts
 from engine.heads import heads_method
 from engine.heads.eagle import EagleCache, EagleDraft
 from engine.heads.loading import eagle_for, load_heads_method
@@ -135,13 +135,13 @@ class TreeDepth:
     sequence's calibration (accepted tokens over the summed probability of the nodes it
     proposed, shrunk toward 1 with ``PRIOR`` tokens' weight) and the level is grown while
     the tokens it may add are worth more than the draft pass it costs, both as measured
-    (``PassCosts.target(1)``, this proposer's own level passes)."""
+    (``PassCosts.target(1)`` and ``PassCosts.tree_level``, shared by the engine's requests)."""
 
     PRIOR = 4.0
 
-    def __init__(self, costs: PassCosts) -> None:
+    def __init__(self, costs: PassCosts, method: str) -> None:
         self.costs = costs
-        self.level = Ewma(0.1)  # seconds of one level's draft pass
+        self.method = method
         self.accepted = 0.0
         self.predicted = 0.0
 
@@ -150,7 +150,7 @@ class TreeDepth:
         return (self.accepted + self.PRIOR) / (self.predicted + self.PRIOR)
 
     def pays(self, mass: float) -> bool:
-        plain, level = self.costs.target(1), self.level.value
+        plain, level = self.costs.target(1), self.costs.tree_level(self.method)
         if plain is None or level is None:
             return True
         return self.calibration * mass * plain >= level
@@ -184,7 +184,7 @@ class EagleProposer:
             tree = EagleTree(tree.num_steps, 1, tree.num_draft_tokens)
         self.draft = draft
         self.tree = tree
-        self._depth = None if costs is None else TreeDepth(costs)
+        self._depth = None if costs is None else TreeDepth(costs, self.method)
         self._cache = EagleCache()
         self._fed = 0  # committed positions in the draft's cache
         self._pending: list[torch.Tensor] = []  # target features not yet fed
@@ -229,7 +229,7 @@ class EagleProposer:
             started = time.perf_counter()
             rows = level(frontier, tokens, parents)
             if self._depth is not None:
-                self._depth.level.update(time.perf_counter() - started)
+                self._depth.costs.record_tree_level(self.method, time.perf_counter() - started)
             return rows
 
         def level(frontier: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
