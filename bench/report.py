@@ -25,8 +25,10 @@ def theoretical_speedup(stats: GenerationStats, costs: PassCosts, cost_ratio: fl
     """The speedup the measured acceptance gives if the target passes and the proposer cost
     what ``costs`` measured and nothing else took time (``engine.adaptive.pass_cost_speedup``,
     in one-token target passes): a verifying pass of m + 1 rows interpolated between the
-    measured 1 and ``costs.verify_tokens`` rows, a proposed token ``cost_ratio``, a pass that
-    proposed nothing one. ``stats``: the pooled counts of a method's runs."""
+    measured 1 and ``costs.verify_tokens`` rows, a proposed token ``cost_ratio``
+    (``PassCosts.proposer_ratio``: a heads method's whole proposal, its draft passes per tree
+    level included), a pass that proposed nothing one. ``stats``: the pooled counts of a
+    method's runs."""
     passes = max(stats.num_target_passes, stats.num_drafts)
     mean_k = stats.num_draft_tokens / stats.num_drafts if stats.num_drafts else 0.0
     verify_ratio = costs.target_verify_ms / costs.target_one_ms
@@ -181,7 +183,7 @@ def _row(
     drafts = total.num_drafts
     alpha = total.acceptance_rate if total.num_draft_tokens else None
     mean_k = total.num_draft_tokens / drafts if drafts else None
-    cost_ratio = costs.draft_cost_ratio if variant.method == "draft" else 0.0
+    cost_ratio = costs.proposer_ratio(variant.method, mean_k or 0.0)
     theoretical = (
         theoretical_speedup(total, costs, cost_ratio)
         if drafts and cost_ratio is not None and variant.backend == "specgate"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from collections import defaultdict
@@ -71,6 +72,12 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engines: list[Engin
     engine = engines[0]
     context = list(prompts[0].prompt_ids)
     cost_samples = []
+    # Each method's proposals as its engine makes them (the heads' are timed per proposal).
+    proposers = {
+        method: functools.partial(each.new_proposer, method)
+        for method, each in serving.items()
+        if method != "none"
+    }
 
     runs: RunTable = defaultdict(list)
     total = setup.repeats * len(prompts) * len(variants)
@@ -78,7 +85,9 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engines: list[Engin
         task = progress.add_task("benchmark", total=total)
         for repeat in range(setup.repeats):
             cost_samples.append(
-                measure_pass_costs(target, engine_draft, context, setup.fixed_k)
+                measure_pass_costs(
+                    target, engine_draft, context, setup.fixed_k, proposers=proposers
+                )
             )
             for index, prompt in enumerate(prompts):
                 shift = (repeat + index) % len(variants)

@@ -93,6 +93,7 @@ class PassCosts:
         self._target: dict[int, Ewma] = {}
         self._proposer: dict[str, Ewma] = {}
         self._catch_up: dict[str, Ewma] = {}
+        self._tree_level: dict[str, Ewma] = {}
         self._lock = threading.Lock()
 
     def record_target(self, tokens: int, seconds: float) -> None:
@@ -109,6 +110,16 @@ class PassCosts:
         if rows > 0:
             with self._lock:
                 self._catch_up.setdefault(method, Ewma(self.WEIGHT)).update(seconds / rows)
+
+    def record_tree_level(self, method: str, seconds: float) -> None:
+        """One draft pass growing a level of a proposer's tree (EAGLE-2)."""
+        with self._lock:
+            self._tree_level.setdefault(method, Ewma(self.WEIGHT)).update(seconds)
+
+    def tree_level(self, method: str) -> float | None:
+        with self._lock:
+            ewma = self._tree_level.get(method)
+            return None if ewma is None else ewma.value
 
     def proposer(self, method: str) -> float:
         with self._lock:

@@ -32,6 +32,7 @@ from pydantic import AfterValidator, BaseModel
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from engine.adaptive import PassCosts
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
     from engine.proposers.base import Proposer
@@ -78,6 +79,8 @@ class LoadContext:
     tokenizer: PreTrainedTokenizerBase
     target_version: str
     vocab_size: int
+    # The engine's measured pass costs, for proposers that size their proposals by them.
+    costs: PassCosts | None = None
 
     def artefact_dir(self, spec: MethodSpec) -> Path | None:
         return None if spec.artefact is None else getattr(self.config, spec.artefact.config_field)

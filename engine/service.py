@@ -131,10 +131,12 @@ class Engine:
             None if batching else "sliding-window, chunked or recurrent layers"
         )
         spec = config.speculative
+        self._costs = PassCosts()
         self._methods: dict[Method, LoadedMethod] = (
             _load_methods(
                 LoadContext(
-                    config, target, self._target, tokenizer, target_version, self.vocab_size
+                    config, target, self._target, tokenizer, target_version, self.vocab_size,
+                    self._costs,
                 )
             )
             if self.can_speculate
@@ -170,7 +172,6 @@ class Engine:
         threading.Thread(target=self.grammars.prepare, name="specgate-grammar", daemon=True).start()
         self._listener = on_fallback
         self._load_shedding = False
-        self._costs = PassCosts()
         self._step_costs = StepCosts(self._costs)
         self._monitor = FallbackMonitor(
             self.model_name,
@@ -224,6 +225,10 @@ class Engine:
             invariant = ", batch-invariant" if self.config.batch_invariant else ""
             return f"continuous (max_num_seqs={self.config.max_num_seqs}{invariant})"
         return f"one request at a time ({self._batching_blocked_by})"
+
+    def new_proposer(self, method: Method) -> Proposer:
+        """A fresh proposer of a loaded method, configured as requests get it."""
+        return self._new_proposer[method]()
 
     def speculation_crossover(self, method: Method) -> float:
         """The smallest batch size at which a batch of new requests with the method chooses

@@ -32,6 +32,7 @@ FLAT_PASS_SECONDS = 1e-3
 
 _record_target = PassCosts.record_target
 _record_proposer = PassCosts.record_proposer
+_record_tree_level = PassCosts.record_tree_level
 _record_step = StepCosts.record
 
 
@@ -42,9 +43,9 @@ def quiet(*_args: object) -> None:
 @contextmanager
 def clock_free_costs() -> Iterator[None]:
     """While open, every target pass and batched step is recorded as costing the same,
-    whatever its width, and a proposal as costing nothing (an accelerator's costs), so an
-    engine's adaptive k follows the heads' acceptance alone and a run is the same on any
-    machine under any load.
+    whatever its width, and a proposal (and an EAGLE tree level) as costing nothing (an
+    accelerator's costs), so an engine's adaptive k and tree depth follow the heads'
+    acceptance alone and a run is the same on any machine under any load.
 
     With the clock's figures the adaptive runs were a matter of timing: on a loaded machine a
     pass descheduled for 30 to 300 times its cost makes speculating look dear, most steps run
@@ -60,12 +61,16 @@ def clock_free_costs() -> Iterator[None]:
     def proposer(costs: PassCosts, method: str, _seconds: float) -> None:
         _record_proposer(costs, method, 0.0)
 
+    def tree_level(costs: PassCosts, method: str, _seconds: float) -> None:
+        _record_tree_level(costs, method, 0.0)
+
     def step(steps: StepCosts, batch: int, width: int, _seconds: float) -> None:
         _record_step(steps, batch, width, FLAT_PASS_SECONDS)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PassCosts, "record_target", target)
         patch.setattr(PassCosts, "record_proposer", proposer)
+        patch.setattr(PassCosts, "record_tree_level", tree_level)
         patch.setattr(StepCosts, "record", step)
         yield
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -116,6 +117,23 @@ def test_theoretical_speedup_counts_the_plain_passes_adaptive_k_chose() -> None:
     assert rows[DRAFT].theoretical == pytest.approx(7.0 / (2 * (1.1 + 0.4) + 2))
 
 
+def test_theoretical_speedup_charges_a_heads_method_its_measured_proposals() -> None:
+    # EAGLE's draft passes per tree level are proposer time: 2 proposals of 4 tokens, each
+    # measured at 5 ms (half a one-token pass), 4 tokens accepted: 6 tokens for
+    # 2 * (1.1 + 0.5) passes' time, not 2 * 1.1.
+    eagle = Variant("specgate", "eagle", 4)
+    plain = (1, 2, 3, 4)
+    costs = dataclasses.replace(COSTS, proposal_ms={"eagle": 5.0})
+    table: RunTable = {
+        ("code", "p1", NONE): [Run(plain, 3.0, _stats("none", 0, 0, 0))],
+        ("code", "p1", eagle): [Run(plain, 1.5, _stats("eagle", 2, 8, 4))],
+    }
+    rows = {r.variant: r for r in summarise(table, [NONE, eagle], costs)}
+    assert rows[eagle].theoretical == pytest.approx(6.0 / (2 * (1.1 + 0.5)))
+    assert costs.proposer_ratio("ngram", 4.0) == 0.0
+    assert costs.proposer_ratio("draft", 4.0) == pytest.approx(0.1)
+
+
 def test_recommendation_names_the_fastest_lossless_method() -> None:
     rows = summarise(_table(), [NONE, NGRAM, DRAFT, HF_PLAIN], COSTS)
     text = recommend(rows, "code")
@@ -185,6 +203,9 @@ def test_bench_command_runs_every_method_on_tiny_models(tmp_path: Path) -> None:
         rows = 64 * model.config.hidden_size * model.dtype.itemsize + 64 * 8  # subset + ids
         assert memory[f"{method} k=auto"] == pytest.approx((own + rows) / target_bytes, abs=1e-4)
     assert "| extra memory |" in (out / "bench.md").read_text()
+    # The heads' proposals are timed, so their theoretical speedup charges them.
+    assert set(report["pass_costs"]["proposal_ms"]) == {"medusa", "eagle"}
+    assert all(ms > 0 for ms in report["pass_costs"]["proposal_ms"].values())
     assert {row["workload"] for row in report["rows"]} == {"mine"}
     assert all(row["same_tokens_as_plain"] for row in report["rows"])
     assert all(row["tokens"] == 24 for row in report["rows"])

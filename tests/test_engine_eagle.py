@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from engine import decoding
+from engine.adaptive import PassCosts
 from engine.config import EngineConfig, SpeculativeConfig, speculative_config_from_vllm
 from engine.heads import heads_method
 from engine.heads.data import features
@@ -219,6 +220,38 @@ def test_proposed_tree_equals_eagle2_over_fresh_draft_passes(
     assert proposal.probs is None  # deterministic picks: q is one-hot
 
 
+def test_the_tree_stops_growing_where_a_level_costs_more_than_it_can_add(
+    trained: tuple[Path, Path],
+) -> None:
+    """With measured costs, a level grows only while its frontier's probability mass, in
+    one-token target passes, outweighs its draft pass: a target pass made nearly free leaves
+    only the first level (no draft pass pays), a dear one lets every level grow."""
+    target, heads = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    draft = load_eagle(
+        heads, model.get_input_embeddings(), head, 64, model.config.vocab_size,
+        model_version(target),
+    )
+    tokens = load_tokenizer(target).encode("for i in range(10):\n    print(i")
+    hidden = features(model, [tokens])[0]
+    deepest: dict[tuple[float, int], int] = {}
+    for plain_seconds in (1e-9, 1e3):
+        costs = PassCosts()
+        costs.record_target(1, plain_seconds)
+        proposer = EagleProposer(draft, EagleTree(4, 2, 16), costs=costs)
+        for attempt in range(2):
+            proposer.start(tokens)
+            proposer.observe_hidden(hidden[: len(tokens) - 1])
+            params = SamplingParams(max_tokens=32)
+            proposal = proposer.propose(tokens, 16, params, torch.Generator())
+            deepest[plain_seconds, attempt] = max(depths(proposal.parent_indices()))
+    # The first level's draft pass is the first measured: then no further level pays.
+    assert deepest[1e-9, 0] == 2 and deepest[1e-9, 1] == 1
+    assert deepest[1e3, 0] == deepest[1e3, 1] == 4
+
+
 @pytest.mark.parametrize("k", [None, 3, 10, 16])
 def test_greedy_eagle_equals_plain_decoding(
     engine: Engine, k: int | None, monkeypatch: pytest.MonkeyPatch
@@ -332,6 +365,33 @@ def test_grown_tree_is_valid_and_ranked(
         assert math.isclose(score, expected, abs_tol=1e-5)
     reference = _brute_force(lambda path: _log_probs(seed, path), tree, budget)
     assert set(paths) == set(reference)
+
+
+def test_no_draft_pass_grows_a_level_the_re_ranking_would_cut() -> None:
+    # The root's two best tokens are near-certain and every deeper token has log-probability
+    # -5 or less: once the first draft pass has given their children, the 3 best nodes
+    # outscore every possible descendant, so the third level (a draft pass) is not run, and
+    # the tree is unchanged.
+    tree, budget = EagleTree(num_steps=5, eagle_topk=2, num_draft_tokens=3), 3
+    sure = torch.full((VOCAB,), -9.0)
+    sure[3], sure[7] = -0.01, -0.02
+    unsure = torch.full((VOCAB,), -5.0)
+
+    def log_probs(path: tuple[int, ...]) -> torch.Tensor:
+        return sure if not path else unsure - 0.1 * len(path)
+
+    calls: list[int] = []
+
+    def expand(frontier: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+        calls.append(len(frontier))
+        paths = [tuple(tokens[n] for n in path_to(parents, node)) for node in frontier]
+        return torch.stack([log_probs(path) for path in paths])
+
+    grown = grow_tree(log_probs(()), expand, tree, budget)
+    assert calls == [2]
+    reference = _brute_force(log_probs, tree, budget)
+    assert {tuple(grown.tokens[n] for n in path_to(grown.parents, i))
+            for i in range(len(grown.tokens))} == set(reference)
 
 
 def test_heads_cli_trains_eagle_and_serve_settings_pick_it(

@@ -17,6 +17,8 @@ sampled verification exact; the target's processed distribution alone decides wh
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.adaptive import PassCosts
 from engine.heads import heads_method
 from engine.heads.eagle import EagleCache, EagleDraft
 from engine.heads.loading import eagle_for, load_heads_method
@@ -42,7 +45,7 @@ ToTarget = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class EagleTree:
     num_steps: int = 5
-    eagle_topk: int = 4
+    eagle_topk: int = 8  # SGLang's default is 4; measured longer runs at 8 (docs/engine.md)
     num_draft_tokens: int = 16
 
     def __post_init__(self) -> None:
@@ -63,10 +66,13 @@ def grow_tree(
     tree: EagleTree,
     budget: int,
     to_target: ToTarget | None = None,
+    pays: Callable[[float], bool] | None = None,
 ) -> DraftTree:
     """The best ``budget`` nodes of the tree grown from the root's log-probabilities
     ``root`` ``[draft vocabulary]``; ``expand`` scores the children of a frontier and
-    ``to_target`` names the target tokens of their indices."""
+    ``to_target`` names the target tokens of their indices. ``pays``, given the frontier's
+    draft probability mass (what its children can add to the expected accepted length, at
+    most), says whether another level is worth its draft pass (None: every level is)."""
     topk = min(tree.eagle_topk, budget)
     steps = min(tree.num_steps, budget)
     tokens: list[int] = []
@@ -92,11 +98,18 @@ def grow_tree(
                 added.append(len(tokens) - 1)
         return added
 
+    def rank(i: int) -> tuple[float, int, int]:
+        return (-scores[i], depths[i], i)
+
     frontier = add_children(root[None], [-1])
     for _ in range(steps - 1):
+        if _settled(frontier, scores, sorted(range(len(tokens)), key=rank), budget):
+            break
+        if pays is not None and not pays(sum(math.exp(scores[i]) for i in frontier)):
+            break
         children = add_children(expand(frontier, tokens, parents), frontier)
         frontier = sorted(children, key=lambda i: (-scores[i], i))[:topk]
-    kept = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:budget]
+    kept = sorted(range(len(tokens)), key=rank)[:budget]
     index = {node: rank for rank, node in enumerate(kept)}
     return DraftTree(
         tokens=[tokens[i] for i in kept],
@@ -105,30 +118,88 @@ def grow_tree(
     )
 
 
+def _settled(frontier: list[int], scores: list[float], ranked: list[int], budget: int) -> bool:
+    """Whether no deeper node can enter the best ``budget``: a descendant of the frontier
+    scores at most its frontier ancestor and, deeper than every node so far, loses ties, so
+    once ``budget`` nodes score at least the frontier's best, further levels (a draft pass
+    each) would all be cut by the re-ranking."""
+    return len(ranked) >= budget and max(scores[i] for i in frontier) <= scores[ranked[budget - 1]]
+
+
+class TreeDepth:
+    """Per sequence: whether one more tree level pays for its draft pass.
+
+    The draft's cumulative probability of a node estimates the chance that the target
+    accepts its path (EAGLE-2's premise), so a frontier of probability mass m can add at
+    most m accepted tokens, each worth a one-token target pass. That mass is scaled by this
+    sequence's calibration (accepted tokens over the summed probability of the nodes it
+    proposed, shrunk toward 1 with ``PRIOR`` tokens' weight) and the level is grown while
+    the tokens it may add are worth more than the draft pass it costs, both as measured
+    (``PassCosts.target(1)`` and ``PassCosts.tree_level``, shared by the engine's requests)."""
+
+    PRIOR = 4.0
+
+    def __init__(self, costs: PassCosts, method: str) -> None:
+        self.costs = costs
+        self.method = method
+        self.accepted = 0.0
+        self.predicted = 0.0
+
+    @property
+    def calibration(self) -> float:
+        return (self.accepted + self.PRIOR) / (self.predicted + self.PRIOR)
+
+    def pays(self, mass: float) -> bool:
+        plain, level = self.costs.target(1), self.costs.tree_level(self.method)
+        if plain is None or level is None:
+            return True
+        return self.calibration * mass * plain >= level
+
+    def start(self) -> None:
+        """A new sequence: its calibration starts again (the level's cost is the draft's)."""
+        self.accepted = self.predicted = 0.0
+
+    def record(self, predicted: float, accepted: int) -> None:
+        self.predicted += predicted
+        self.accepted += accepted
+
+
 class EagleProposer:
     method: Method = "eagle"
     wants_hidden = True
 
     def __init__(
-        self, draft: EagleDraft, tree: EagleTree | None = None, trees_allowed: bool = True
+        self,
+        draft: EagleDraft,
+        tree: EagleTree | None = None,
+        trees_allowed: bool = True,
+        costs: PassCosts | None = None,
     ) -> None:
         """``trees_allowed`` False (a target that verifies chains only): every level keeps
-        one child, so the tree is the draft's greedy chain."""
+        one child, so the tree is the draft's greedy chain. ``costs`` (the engine's measured
+        pass costs): the tree grows a level only while it pays (``TreeDepth``); None: every
+        level up to ``num_steps``."""
         tree = tree or EagleTree()
         if not trees_allowed:
             tree = EagleTree(tree.num_steps, 1, tree.num_draft_tokens)
         self.draft = draft
         self.tree = tree
+        self._depth = None if costs is None else TreeDepth(costs, self.method)
         self._cache = EagleCache()
         self._fed = 0  # committed positions in the draft's cache
         self._pending: list[torch.Tensor] = []  # target features not yet fed
         self._last: torch.Tensor | None = None  # the draft's prediction at position _fed - 1
+        # The last proposal: its context length and the summed probability of its nodes.
+        self._proposed: tuple[int, float] | None = None
 
     def start(self, prompt_ids: list[int]) -> None:
         self._cache.reset()
         self._fed = 0
         self._pending = []
         self._last = None
+        self._proposed = None
+        if self._depth is not None:
+            self._depth.start()
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         self._pending.append(hidden)
@@ -155,6 +226,13 @@ class EagleProposer:
         slot: dict[int, int] = {}  # node -> its row in the draft cache
 
         def expand(frontier: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            started = time.perf_counter()
+            rows = level(frontier, tokens, parents)
+            if self._depth is not None:
+                self._depth.costs.record_tree_level(self.method, time.perf_counter() - started)
+            return rows
+
+        def level(frontier: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
             inputs = torch.stack([predicted.get(parents[i], last) for i in frontier])
             depth = [_depth(parents, i) for i in frontier]
             # A node at depth d holds the token at len(context) - 1 + d; the draft reads it
@@ -180,8 +258,10 @@ class EagleProposer:
             return torch.log_softmax(self.draft.logits(out[0]).float(), dim=-1)
 
         root = torch.log_softmax(self.draft.logits(last).float(), dim=-1)
-        grown = grow_tree(root, expand, self.tree, budget, self.draft.to_target)
+        pays = None if self._depth is None else self._depth.pays
+        grown = grow_tree(root, expand, self.tree, budget, self.draft.to_target, pays)
         self._cache.truncate(committed)
+        self._proposed = (len(context), sum(math.exp(score) for score in grown.scores))
         return Proposal(grown.tokens, parents=grown.parents)
 
     def _catch_up(self, context: list[int]) -> None:
@@ -204,6 +284,10 @@ class EagleProposer:
 
     def accepted(self, context: list[int]) -> None:
         self._cache.truncate(self._fed)
+        if self._proposed is not None and self._depth is not None:
+            before, predicted = self._proposed
+            self._depth.record(predicted, len(context) - before - 1)
+        self._proposed = None
 
 
 def _depth(parents: list[int], node: int) -> int:
@@ -224,7 +308,7 @@ class EagleOptions(BaseModel):
         "(SGLang's speculative_num_steps)."
     )  # fmt: skip
     eagle_topk: int = Field(
-        default=4, ge=1, le=16, description="EAGLE-2: children per expanded node, and nodes "
+        default=8, ge=1, le=16, description="EAGLE-2: children per expanded node, and nodes "
         "expanded per level (SGLang's speculative_eagle_topk)."
     )  # fmt: skip
     num_draft_tokens: int = Field(
@@ -250,7 +334,7 @@ def _load(context: LoadContext) -> LoadedMethod:
     tree = options.tree()
     return load_heads_method(
         context, EAGLE, "eagle", eagle_for,
-        lambda draft, trees_allowed: EagleProposer(draft, tree, trees_allowed),
+        lambda draft, trees_allowed: EagleProposer(draft, tree, trees_allowed, context.costs),
     )
 
 
