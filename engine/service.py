@@ -44,6 +44,7 @@ from engine.model_runner import ModelRunner
 from engine.output import OutputAssembler
 from engine.packed_linear import pack_linear_weights
 from engine.proposers import Proposer
+from engine.proposers.base import ShapeAdapting
 from engine.scheduler import ActiveSequence, BatchLimits, BatchScheduler, annotate, reservation
 from engine.types import (
     MAX_TOP_LOGPROBS,
@@ -226,6 +227,14 @@ class Engine:
             return f"continuous (max_num_seqs={self.config.max_num_seqs}{invariant})"
         return f"one request at a time ({self._batching_blocked_by})"
 
+    def _fixed_proposer(self, method: Method) -> Proposer:
+        """A proposer for a fixed k, a seeded request or a replay: its proposals' shape does
+        not follow measured costs (engine.proposers.base.ShapeAdapting)."""
+        proposer = self._new_proposer[method]()
+        if isinstance(proposer, ShapeAdapting):
+            proposer.fix_shape()
+        return proposer
+
     def new_proposer(self, method: Method) -> Proposer:
         """A fresh proposer of a loaded method, configured as requests get it."""
         return self._new_proposer[method]()
@@ -371,7 +380,7 @@ class Engine:
             length = SpeculationLength(
                 spec.max_speculative_tokens, 0.0, self._costs, method, self._run_lengths[method]
             )
-            proposer = self._new_proposer[method]()
+            proposer = self._fixed_proposer(method)
             return _Plan(Speculation(proposer, None, length, 0.0, schedule), method, False)
         pinned = not params.greedy and params.seed is not None and not params.seed_drawn
         fixed_k = request.speculative.num_speculative_tokens or spec.num_speculative_tokens
@@ -384,7 +393,8 @@ class Engine:
             spec.max_speculative_tokens, prior, self._costs, method, self._run_lengths[method]
         )
         confidence = spec.draft_confidence_threshold if fixed_k is None else 0.0
-        speculation = Speculation(self._new_proposer[method](), fixed_k, length, confidence)
+        proposer = self._new_proposer[method]() if fixed_k is None else self._fixed_proposer(method)
+        speculation = Speculation(proposer, fixed_k, length, confidence)
         return _Plan(speculation, method, False)
 
     def _calibrate(self, repeats: int = 3) -> None:

@@ -37,7 +37,7 @@ from engine.proposers import eagle as eagle_proposer
 from engine.proposers.eagle import DraftTree, EagleProposer, EagleTree, grow_tree
 from engine.service import Engine
 from engine.tree import check_parents, children, depths, path_to
-from engine.types import SamplingParams
+from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.versioning import model_version
 from tests.heads_harness import (
     PROMPTS,
@@ -517,3 +517,24 @@ def test_features_are_the_lm_head_input_at_every_position(trained: tuple[Path, P
     batched = features(model, tokens)
     for row, (ids, alone) in enumerate(zip(tokens, captured, strict=True)):
         torch.testing.assert_close(batched[row, : len(ids)], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_seeded_eagle_request_reproduces_whatever_the_measured_tree_costs(
+    trained: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seeded request pins its proposals' shape as it pins k: the cost-bounded tree depth
+    (which follows timing and the other requests) is off for it, so the same request proposes
+    the same trees, and gives the same tokens, whether a tree level is measured free or dear.
+    A chain-shaped tree (top-1) makes every level count: a dear level would stop it at one."""
+    runs = []
+    with heads_engine(*trained, "eagle", {"num_steps": 8, "eagle_topk": 1}) as eng:
+        prompt = tuple(eng.tokenizer.encode(PROMPTS[0]))
+        params = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+        request = GenerationRequest(prompt, params, SpeculativeChoice("eagle"))
+        for level_seconds in (0.0, 1e3):
+            with monkeypatch.context() as patch:
+                patch.setattr(PassCosts, "tree_level", lambda _costs, _method, s=level_seconds: s)
+                proposed = record_proposed_tokens(patch, EagleProposer)
+                runs.append((eng.generate(request).token_ids, proposed))
+    assert runs[0][1], "nothing was proposed: the test proves too little"
+    assert runs[1] == runs[0]

@@ -11,7 +11,7 @@ hidden states of the committed positions through ``observe_hidden`` before each 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -66,3 +66,13 @@ class Proposer(Protocol):
 
     def accepted(self, context: list[int]) -> None:
         """Verification committed ``context``; anything proposed beyond it was rejected."""
+
+
+@runtime_checkable
+class ShapeAdapting(Protocol):
+    """A proposer whose proposals' shape follows measured costs, which depend on timing and on
+    the other requests (EAGLE-2's cost-bounded tree depth)."""
+
+    def fix_shape(self) -> None:
+        """Propose the configured shape from now on, whatever the costs: a fixed k is proposed
+        whole, and a seeded request or a replay must not depend on timing."""

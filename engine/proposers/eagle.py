@@ -192,6 +192,9 @@ class EagleProposer:
         # The last proposal: its context length and the summed probability of its nodes.
         self._proposed: tuple[int, float] | None = None
 
+    def fix_shape(self) -> None:
+        self._depth = None
+
     def start(self, prompt_ids: list[int]) -> None:
         self._cache.reset()
         self._fed = 0
