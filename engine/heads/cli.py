@@ -48,9 +48,6 @@ def train(
     weight_decay: Annotated[
         float, typer.Option(help="AdamW weight decay, towards the target's own head (Medusa).")
     ] = 0.0,
-    prompt_rows: Annotated[
-        bool, typer.Option(help="Medusa also learns at prompt positions, not only answers.")
-    ] = False,
     held_out: Annotated[
         float,
         typer.Option(help="Share of the sequences held out to measure each Medusa head's top-1 "
@@ -96,7 +93,7 @@ def train(
         answer_tokens=answer_tokens, generation_batch=generation_batch,
         rows_per_step=rows_per_step, sequences_per_step=sequences_per_step, lr=lr,
         warmup_steps=min(50, steps // 10), draft_vocab_size=draft_vocab_size or None,
-        weight_decay=weight_decay, prompt_rows=prompt_rows,
+        weight_decay=weight_decay,
     )
     started = time.perf_counter()
     tokenizer = load_tokenizer(target)

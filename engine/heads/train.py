@@ -55,10 +55,8 @@ class HeadsSpec:
     token_loss_weight: float = 0.1
     feature_noise: float = 0.1
     # Medusa only: AdamW's decoupled weight decay (towards zero blocks, i.e. towards the
-    # target's own head), and whether the heads also learn at prompt positions (the target's
-    # distribution there is as much its own as at answer positions, and costs no answers).
+    # target's own head).
     weight_decay: float = 0.0
-    prompt_rows: bool = False
 
     def data(self) -> DataSpec:
         return DataSpec(
@@ -152,7 +150,7 @@ def train_medusa(
         draft_vocab_size=None if head.vocabulary is None else head.size,
     )
     heads = MedusaHeads(config, lm_head, vocabulary=head.vocabulary)
-    rows = medusa_rows(data, spec.num_heads, spec.prompt_rows)
+    rows = medusa_rows(data, spec.num_heads)
     if not rows:
         raise ValueError("the target's answers are too short for this many heads")
     optimizer = torch.optim.AdamW(
@@ -180,18 +178,13 @@ def train_medusa(
     return heads.eval(), losses
 
 
-def medusa_rows(
-    data: Distillation, num_heads: int, prompt_rows: bool = False
-) -> list[tuple[int, int]]:
-    """``(sequence, t)`` for the positions t whose token t + 2 + k exists for every head
-    ``k < num_heads``: from the last prompt token on, or with ``prompt_rows`` from the first."""
+def medusa_rows(data: Distillation, num_heads: int) -> list[tuple[int, int]]:
+    """``(sequence, t)`` for the positions t from the last prompt token on whose token
+    t + 2 + k exists for every head ``k < num_heads``."""
     return [
         (s, t)
         for s in range(data.ids.shape[0])
-        for t in range(
-            0 if prompt_rows else int(data.own_from[s]) - 1,
-            int(data.lengths[s]) - 2 - num_heads + 1,
-        )
+        for t in range(int(data.own_from[s]) - 1, int(data.lengths[s]) - 2 - num_heads + 1)
     ]
 
 
