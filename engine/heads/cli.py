@@ -45,9 +45,6 @@ def train(
         int, typer.Option(help="Whole sequences per step (EAGLE only).")
     ] = 4,
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 3e-3,
-    weight_decay: Annotated[
-        float, typer.Option(help="AdamW weight decay, towards the target's own head (Medusa).")
-    ] = 0.0,
     held_out: Annotated[
         float,
         typer.Option(help="Share of the sequences held out to measure each Medusa head's top-1 "
@@ -93,7 +90,6 @@ def train(
         answer_tokens=answer_tokens, generation_batch=generation_batch,
         rows_per_step=rows_per_step, sequences_per_step=sequences_per_step, lr=lr,
         warmup_steps=min(50, steps // 10), draft_vocab_size=draft_vocab_size or None,
-        weight_decay=weight_decay,
     )
     started = time.perf_counter()
     tokenizer = load_tokenizer(target)

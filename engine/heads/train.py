@@ -54,9 +54,6 @@ class HeadsSpec:
     sequences_per_step: int = 4
     token_loss_weight: float = 0.1
     feature_noise: float = 0.1
-    # Medusa only: AdamW's decoupled weight decay (towards zero blocks, i.e. towards the
-    # target's own head).
-    weight_decay: float = 0.0
 
     def data(self) -> DataSpec:
         return DataSpec(
@@ -153,9 +150,7 @@ def train_medusa(
     rows = medusa_rows(data, spec.num_heads)
     if not rows:
         raise ValueError("the target's answers are too short for this many heads")
-    optimizer = torch.optim.AdamW(
-        heads.parameters(), lr=spec.lr, weight_decay=spec.weight_decay
-    )
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=spec.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(spec.seed)
     losses: list[float] = []
     heads.train()
