@@ -23,7 +23,14 @@ from engine import decoding
 from engine.adaptive import PassCosts, SpeculationLength
 from engine.heads import data as heads_data
 from engine.heads.medusa import HeadsMismatchError, MedusaHeads, load_heads
-from engine.heads.train import HeadsSpec, build_data, train_medusa
+from engine.heads.train import (
+    HeadsSpec,
+    build_data,
+    medusa_accuracy,
+    medusa_rows,
+    split_sequences,
+    train_medusa,
+)
 from engine.loading import load_model, load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.proposers.medusa import MedusaProposer
@@ -299,3 +306,72 @@ def test_answers_and_features_are_read_back_from_the_cache(
     fewer = dataclasses.replace(SPEC, snippets=SPEC.snippets // 2)
     part = build_data(model, tokenizer, SAMPLE_TEXT, fewer, version, quiet, cache_dir=tmp_path)
     assert torch.equal(part.ids, first.ids[: SPEC.snippets // 2])
+
+
+def _tiny_data(trained: tuple[Path, Path]) -> tuple[PreTrainedModel, heads_data.Distillation]:
+    target, _ = trained
+    model = load_model(target, torch.device("cpu"), "float32")
+    version = model_version(target)
+    return model, build_data(model, load_tokenizer(target), SAMPLE_TEXT, SPEC, version, quiet)
+
+
+def test_medusa_rows_run_from_the_last_prompt_token_while_every_head_has_a_label(
+    trained: tuple[Path, Path],
+) -> None:
+    _, data = _tiny_data(trained)
+    rows = medusa_rows(data, 3)
+    for s in range(data.ids.shape[0]):
+        last = int(data.lengths[s]) - 2 - 3 + 1
+        assert [t for q, t in rows if q == s] == list(range(int(data.own_from[s]) - 1, last))
+
+
+def test_medusa_accuracy_counts_each_heads_hits_on_the_targets_tokens(
+    trained: tuple[Path, Path],
+) -> None:
+    model, data = _tiny_data(trained)
+    heads, _ = train_medusa(model, data, SPEC, model_version(trained[0]), quiet)
+    expected = []
+    with torch.no_grad():
+        for k in range(SPEC.num_heads):
+            hits = total = 0
+            for s, t in medusa_rows(data, SPEC.num_heads):
+                top = int(heads.logits(data.hidden[s, t].clone(), k).argmax())
+                hits += int(heads.to_target(torch.tensor(top))) == int(data.ids[s, t + 2 + k])
+                total += 1
+            expected.append(round(hits / total, 4))
+    assert medusa_accuracy(heads, data) == expected
+    assert expected[0] > 0, "no head-0 hit at all: the comparison proves too little"
+
+
+def test_split_sequences_holds_out_every_tenth_sequence(trained: tuple[Path, Path]) -> None:
+    _, data = _tiny_data(trained)
+    train, held = split_sequences(data, 0.1)
+    n = data.ids.shape[0]
+    assert held.ids.shape[0] == n // 10 and train.ids.shape[0] == n - n // 10
+    assert torch.equal(held.ids, data.ids[9::10]) and torch.equal(held.hidden, data.hidden[9::10])
+    kept = torch.arange(n) % 10 != 9
+    assert torch.equal(train.ids, data.ids[kept])
+    assert torch.equal(train.own_from, data.own_from[kept])
+
+
+def test_heads_cli_reports_each_medusa_heads_held_out_accuracy(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from gateway.cli import app
+
+    target, _ = trained
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "code.txt").write_text("".join(SAMPLE_TEXT))
+    out = tmp_path / "cli-heads"
+    result = CliRunner().invoke(
+        app,
+        ["heads", "train", "--method", "medusa", "--target", str(target), "--out", str(out),
+         "--data", str(data), "--snippets", "20", "--answer-tokens", "12", "--num-heads", "2",
+         "--steps", "3", "--held-out", "0.1"],
+    )
+    assert result.exit_code == 0, result.output
+    accuracy = json.loads((out / "training.json").read_text())["held_out_top1_per_head"]
+    assert len(accuracy) == 2 and all(0.0 <= a <= 1.0 for a in accuracy)

@@ -45,6 +45,11 @@ def train(
         int, typer.Option(help="Whole sequences per step (EAGLE only).")
     ] = 4,
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 3e-3,
+    held_out: Annotated[
+        float,
+        typer.Option(help="Share of the sequences held out to measure each Medusa head's top-1 "
+                     "accuracy on (0: train on all)."),
+    ] = 0.0,
     cache: Annotated[
         Path | None,
         typer.Option(help="Where the target's answers are cached, keyed by its version and "
@@ -71,6 +76,8 @@ def train(
         build_data,
         corpus_texts,
         demo_chats,
+        medusa_accuracy,
+        split_sequences,
         train_eagle,
         train_medusa,
     )
@@ -111,10 +118,15 @@ def train(
         data_seconds = time.perf_counter() - started
         heads: MedusaHeads | EagleDraft
         eos = tokenizer.eos_token_id
+        accuracy: dict[str, list[float]] = {}
         if method == "eagle":
             heads, losses = train_eagle(
                 model, distilled, spec, version, target.name, report, eos=eos
             )
+        elif held_out > 0:
+            trained_on, kept_out = split_sequences(distilled, held_out)
+            heads, losses = train_medusa(model, trained_on, spec, version, report, eos=eos)
+            accuracy["held_out_top1_per_head"] = medusa_accuracy(heads, kept_out)
         else:
             heads, losses = train_medusa(model, distilled, spec, version, report, eos=eos)
     heads.save(out)
@@ -127,6 +139,7 @@ def train(
         "positions": distilled.positions,
         "extra_parameters": heads.extra_parameters(),
         "extra_memory_share_of_target": round(heads.extra_bytes() / target_bytes, 4),
+        **accuracy,
         "losses": losses,
         "data_seconds": round(data_seconds, 1),
         "seconds": round(time.perf_counter() - started, 1),

@@ -147,12 +147,7 @@ def train_medusa(
         draft_vocab_size=None if head.vocabulary is None else head.size,
     )
     heads = MedusaHeads(config, lm_head, vocabulary=head.vocabulary)
-    # Positions t from the last prompt token on whose token t + 2 + k exists for every head.
-    rows = [
-        (s, t)
-        for s in range(data.ids.shape[0])
-        for t in range(int(data.own_from[s]) - 1, int(data.lengths[s]) - 2 - spec.num_heads + 1)
-    ]
+    rows = medusa_rows(data, spec.num_heads)
     if not rows:
         raise ValueError("the target's answers are too short for this many heads")
     optimizer = torch.optim.AdamW(heads.parameters(), lr=spec.lr, weight_decay=0.0)
@@ -176,6 +171,52 @@ def train_medusa(
             losses.append(round(loss.item(), 4))
         progress("training", step + 1, spec.steps, loss.item())
     return heads.eval(), losses
+
+
+def medusa_rows(data: Distillation, num_heads: int) -> list[tuple[int, int]]:
+    """``(sequence, t)`` for the positions t from the last prompt token on whose token
+    t + 2 + k exists for every head ``k < num_heads``."""
+    return [
+        (s, t)
+        for s in range(data.ids.shape[0])
+        for t in range(int(data.own_from[s]) - 1, int(data.lengths[s]) - 2 - num_heads + 1)
+    ]
+
+
+@torch.no_grad()
+def medusa_accuracy(heads: MedusaHeads, data: Distillation) -> list[float]:
+    """Per head k, the share of answer positions t (``medusa_rows``) where the head's most
+    likely token is the one the target wrote at t + 2 + k: its top-1 acceptance under greedy
+    speculation, measured on ``data`` (held-out answers, for a fair figure)."""
+    k_heads = heads.config.medusa_num_heads
+    rows = medusa_rows(data, k_heads)
+    seq = torch.tensor([s for s, _ in rows])
+    pos = torch.tensor([t for _, t in rows])
+    shares = []
+    for k in range(k_heads):
+        written = data.ids[seq, pos + 2 + k]
+        hits = sum(
+            int((heads.to_target(heads.logits(data.hidden[s, p], k).argmax(-1)) == w).sum())
+            for s, p, w in zip(seq.split(1024), pos.split(1024), written.split(1024), strict=True)
+        )
+        shares.append(round(hits / max(1, len(rows)), 4))
+    return shares
+
+
+def split_sequences(data: Distillation, held_out_share: float) -> tuple[Distillation, Distillation]:
+    """``data`` cut into training and held-out sequences: every ``1 / held_out_share``-th
+    sequence is held out (the prompts' kinds cycle, so each kind keeps its share)."""
+    every = max(2, round(1 / held_out_share))
+    index = torch.arange(data.ids.shape[0])
+    held = index % every == every - 1
+
+    def part(rows: torch.Tensor) -> Distillation:
+        return Distillation(
+            ids=data.ids[rows], lengths=data.lengths[rows], own_from=data.own_from[rows],
+            hidden=data.hidden[rows],
+        )
+
+    return part(index[~held]), part(index[held])
 
 
 def train_eagle(
