@@ -103,7 +103,8 @@ class BatchedRunner:
         starts = [self.lengths[feed.slot] for feed in feeds]
         kv_length = max(starts) + rows
         slots = SlotBatch([feed.slot for feed in feeds], starts, rows, kv_length)
-        if self.lean is not None and rows == 1 and (batch == 1 or self._per_sequence):
+        lean = self.lean is not None and self.lean.unhooked()
+        if lean and rows == 1 and (batch == 1 or self._per_sequence):
             # One row per sequence sees all of its own prefix, and the lean forward attends
             # each sequence over its own extent: SDPA without a mask computes the same
             # (bitwise, tests/test_engine_lean_llama.py), without converting one per call.
@@ -131,7 +132,7 @@ class BatchedRunner:
         spans = {"slot_spans": slots.spans} if self._per_sequence and batch > 1 else {}
         attention = mask.to(self.device)
         sizes = [len(feed.tokens) for feed in feeds]
-        if self.lean is not None:
+        if lean:
             return self._lean_pass(ids, positions, attention, slots, sizes, last_only, want_hidden)
         if not self._bool_mask:
             floor = torch.finfo(self.model.dtype).min

@@ -119,6 +119,11 @@ class LeanLlama:
         if any(norm.variance_epsilon != self.eps for norm in self._norms()):
             raise ValueError("the lean forward takes one RMSNorm epsilon for the model")
 
+    def unhooked(self) -> bool:
+        """Whether the model still has no hook of its own: one registered since it was checked
+        (a perturbation in a test, a profiler) runs HF's forward, which calls it."""
+        return not (self.model._forward_hooks or self.model._forward_pre_hooks)
+
     def _norms(self) -> list[LlamaRMSNorm]:
         inner = self.model.model
         layers = inner.layers[: self.model.config.num_hidden_layers]

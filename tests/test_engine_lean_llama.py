@@ -149,3 +149,20 @@ def test_per_sequence_attention_of_several_rows_needs_a_mask(target: Path) -> No
     lean.cache.prepare(slots)
     with pytest.raises(ValueError, match="needs the pass's mask"), torch.inference_mode():
         lean.lean.forward(ids, positions, None, lean.cache, slots.spans, None)
+
+
+def test_a_hook_registered_after_the_runner_was_built_is_called(target: Path) -> None:
+    """A forward hook put on the model later (a test's perturbation of verification, a
+    profiler) sees every pass: the lean forward, which would skip it, gives way to HF's."""
+    runner = BatchedRunner(served(target, "float32"), max_slots=2)
+    assert runner.lean is not None
+    seen: list[int] = []
+    hook = runner.model.register_forward_hook(
+        lambda _module, _inputs, output: seen.append(output.logits.shape[1])
+    )
+    try:
+        runner.forward([Feed(0, [5, 6, 7])])
+        runner.forward([Feed(0, [8])])
+    finally:
+        hook.remove()
+    assert seen == [3, 1]
