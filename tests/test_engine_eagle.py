@@ -24,6 +24,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from transformers import PreTrainedModel
 
 from engine import decoding
 from engine.adaptive import PassCosts
@@ -61,6 +62,18 @@ def _train(target: Path) -> tuple[EagleDraft, list[float]]:
     version = model_version(target)
     data = build_data(model, load_tokenizer(target), SAMPLE_TEXT, SPEC, version, quiet)
     return train_eagle(model, data, SPEC, version, target.name, quiet)
+
+
+def _target_and_draft(target: Path, heads: Path) -> tuple[PreTrainedModel, EagleDraft]:
+    """The tiny target in float32 and its trained EAGLE draft over its embeddings and head."""
+    model = load_model(target, torch.device("cpu"), "float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    draft = load_eagle(
+        heads, model.get_input_embeddings(), head, 64, model.config.vocab_size,
+        model_version(target),
+    )
+    return model, draft
 
 
 @pytest.fixture(scope="module")
@@ -132,13 +145,7 @@ def test_incremental_draft_cache_equals_a_fresh_pass(trained: tuple[Path, Path])
     """Features fed in pieces, with a tree proposed (and rolled back) between them, give the
     draft the same prediction as one pass over the whole sequence."""
     target, heads = trained
-    model = load_model(target, torch.device("cpu"), "float32")
-    head = model.get_output_embeddings()
-    assert isinstance(head, torch.nn.Module)
-    draft = load_eagle(
-        heads, model.get_input_embeddings(), head, 64, model.config.vocab_size,
-        model_version(target),
-    )
+    model, draft = _target_and_draft(target, heads)
     tokens = load_tokenizer(target).encode("class Point:\n    def __init__(self, x, y):")
     hidden = features(model, [tokens])[0]
     proposer = EagleProposer(draft)
@@ -186,13 +193,7 @@ def test_proposed_tree_equals_eagle2_over_fresh_draft_passes(
     """The proposer's tree (one draft pass per level, tree mask, cached prefix) equals
     EAGLE-2's expansion where every path's distribution comes from a fresh pass."""
     target, heads = trained
-    model = load_model(target, torch.device("cpu"), "float32")
-    head = model.get_output_embeddings()
-    assert isinstance(head, torch.nn.Module)
-    draft = load_eagle(
-        heads, model.get_input_embeddings(), head, 64, model.config.vocab_size,
-        model_version(target),
-    )
+    model, draft = _target_and_draft(target, heads)
     tokens = load_tokenizer(target).encode("for i in range(10):\n    print(i")
     hidden = features(model, [tokens])[0]
     tree = EagleTree(steps, topk, budget)
@@ -221,19 +222,20 @@ def test_proposed_tree_equals_eagle2_over_fresh_draft_passes(
 
 
 def test_the_tree_stops_growing_where_a_level_costs_more_than_it_can_add(
-    trained: tuple[Path, Path],
+    trained: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With measured costs, a level grows only while its frontier's probability mass, in
     one-token target passes, outweighs its draft pass: a target pass made nearly free leaves
-    only the first level (no draft pass pays), a dear one lets every level grow."""
-    target, heads = trained
-    model = load_model(target, torch.device("cpu"), "float32")
-    head = model.get_output_embeddings()
-    assert isinstance(head, torch.nn.Module)
-    draft = load_eagle(
-        heads, model.get_input_embeddings(), head, 64, model.config.vocab_size,
-        model_version(target),
+    only the first level (no draft pass pays), a dear one lets every level grow. Every level
+    is recorded as costing 1 ms, whatever the clock says (a loaded machine once made a draft
+    pass dearer than a frontier's mass of 1e3 s target passes)."""
+    record = PassCosts.record_tree_level
+    monkeypatch.setattr(
+        PassCosts, "record_tree_level",
+        lambda costs, method, _seconds: record(costs, method, 1e-3),
     )
+    target, heads = trained
+    model, draft = _target_and_draft(target, heads)
     tokens = load_tokenizer(target).encode("for i in range(10):\n    print(i")
     hidden = features(model, [tokens])[0]
     deepest: dict[tuple[float, int], int] = {}
@@ -469,13 +471,7 @@ def test_a_draft_vocabulary_loads_from_d2t_and_t2d(subset_trained: tuple[Path, P
     tensors = load_file(str(heads / "model.safetensors"))
     ids = tensors["d2t"] + torch.arange(48)
     assert tensors["t2d"].nonzero().flatten().tolist() == ids.tolist()
-    model = load_model(target, torch.device("cpu"), "float32")
-    head = model.get_output_embeddings()
-    assert isinstance(head, torch.nn.Module)
-    draft = load_eagle(
-        heads, model.get_input_embeddings(), head, 64, model.config.vocab_size,
-        model_version(target),
-    )
+    _, draft = _target_and_draft(target, heads)
     assert draft.head.vocabulary is not None and draft.head.vocabulary.tolist() == ids.tolist()
     # The draft scores the subset only, and names target tokens for its indices.
     assert draft.logits(torch.zeros(64)).shape == (48,)
