@@ -25,6 +25,7 @@ from tests.test_engine_sampling import (
     draw,
     exact_pair_distribution,
 )
+from tests.tiny_models import SAMPLE_TEXT
 
 PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n    def"]
 # What every pass costs under ``clock_free_costs``, whatever its width.
@@ -146,3 +147,23 @@ def assert_sampling_is_exact(engine: Engine, method: str) -> None:
     assert chi_square_p_value(counts, exact_pair_distribution(engine, prompt, params)) > (
         SIGNIFICANCE
     )
+
+
+def train_heads_with_cli(target: Path, tmp_path: Path, method: str, *options: str) -> Path:
+    """``specgate heads train --method METHOD`` on ``target`` over the sample text as a data
+    directory, with ``options``; the heads' directory (the command must succeed)."""
+    from typer.testing import CliRunner
+
+    from gateway.cli import app
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "code.txt").write_text("".join(SAMPLE_TEXT))
+    out = tmp_path / "cli-heads"
+    result = CliRunner().invoke(
+        app,
+        ["heads", "train", "--method", method, "--target", str(target), "--out", str(out),
+         "--data", str(data), *options],
+    )
+    assert result.exit_code == 0, result.output
+    return out

@@ -48,6 +48,7 @@ from tests.heads_harness import (
     quiet,
     record_proposed_tokens,
     side_branch_recorder,
+    train_heads_with_cli,
 )
 from tests.tiny_models import SAMPLE_TEXT, build_model, build_tokenizer
 
@@ -399,22 +400,11 @@ def test_no_draft_pass_grows_a_level_the_re_ranking_would_cut() -> None:
 def test_heads_cli_trains_eagle_and_serve_settings_pick_it(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from typer.testing import CliRunner
-
-    from gateway.cli import app
     from gateway.settings import engine_config, load_settings
 
     target, heads = trained
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "code.txt").write_text("".join(SAMPLE_TEXT))
-    out = tmp_path / "cli-heads"
-    result = CliRunner().invoke(
-        app,
-        ["heads", "train", "--method", "eagle", "--target", str(target), "--out", str(out),
-         "--data", str(data), "--snippets", "4", "--steps", "2", "--seed", "3"],
-    )
-    assert result.exit_code == 0, result.output
+    out = train_heads_with_cli(target, tmp_path, "eagle", "--snippets", "4", "--steps", "2",
+                               "--seed", "3")
     summary = json.loads((out / "training.json").read_text())
     assert (summary["method"], summary["target_model_version"]) == (
         "eagle", model_version(target)

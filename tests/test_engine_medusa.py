@@ -45,6 +45,7 @@ from tests.heads_harness import (
     quiet,
     record_proposed_tokens,
     side_branch_recorder,
+    train_heads_with_cli,
 )
 from tests.tiny_models import SAMPLE_TEXT, build_model, build_tokenizer
 
@@ -357,21 +358,10 @@ def test_split_sequences_holds_out_every_tenth_sequence(trained: tuple[Path, Pat
 def test_heads_cli_reports_each_medusa_heads_held_out_accuracy(
     trained: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from typer.testing import CliRunner
-
-    from gateway.cli import app
-
     target, _ = trained
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "code.txt").write_text("".join(SAMPLE_TEXT))
-    out = tmp_path / "cli-heads"
-    result = CliRunner().invoke(
-        app,
-        ["heads", "train", "--method", "medusa", "--target", str(target), "--out", str(out),
-         "--data", str(data), "--snippets", "20", "--answer-tokens", "12", "--num-heads", "2",
-         "--steps", "3", "--held-out", "0.1"],
+    out = train_heads_with_cli(
+        target, tmp_path, "medusa", "--snippets", "20", "--answer-tokens", "12",
+        "--num-heads", "2", "--steps", "3", "--held-out", "0.1",
     )
-    assert result.exit_code == 0, result.output
     accuracy = json.loads((out / "training.json").read_text())["held_out_top1_per_head"]
     assert len(accuracy) == 2 and all(0.0 <= a <= 1.0 for a in accuracy)
