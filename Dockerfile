@@ -20,11 +20,20 @@ FROM ${BASE_IMAGE} AS builder
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_VARIANT=cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
+# Debian bookworm's; a base image of another release names its own.
+ARG GCC_VERSION=4:12.2.0-3
+ARG LIBC_DEV_VERSION=2.36-9+deb12u14
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
+
+# A C compiler for the engine's CPU decode-attention kernel (engine/kernels), built below.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends \
+       "gcc=${GCC_VERSION}" "libc6-dev=${LIBC_DEV_VERSION}" \
+    && rm -rf /var/lib/apt/lists/*
 
 # torch first, from the index that matches the variant, so `pip install .` keeps it.
 RUN python -m venv /opt/venv \
@@ -36,8 +45,11 @@ COPY engine ./engine
 COPY gateway ./gateway
 COPY migrations ./migrations
 COPY bench ./bench
+# The runtime stage has no compiler: the kernel is built here, portable (x86-64-v3: AVX2 and
+# FMA), into the installed package (-P: the installed copy, not /src's, is the one built).
 RUN pip install --no-cache-dir . \
-    && pip check
+    && pip check \
+    && python -P -m engine.kernels.build
 
 FROM ${BASE_IMAGE} AS runtime
 

@@ -35,6 +35,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from engine.kernels import decode_attention
+
 CPU_GQA_SDPA = "specgate_cpu_gqa_sdpa"
 # Passes of at most this many query rows attend in float32 when the model is in half precision.
 FLOAT32_ATTENTION_ROWS = 16
@@ -67,9 +69,16 @@ def cpu_gqa_sdpa_forward(
         query = query.float()
         if attention_mask is not None and attention_mask.is_floating_point():
             attention_mask = attention_mask.float()
+    if spans is not None and attention_mask is None and query.shape[2] > 1:
+        raise ValueError("per-sequence attention of several rows needs the pass's mask")
+    if compute == torch.float32 and query.shape[2] <= FLOAT32_ATTENTION_ROWS:
+        if spans is None:  # (a cache in float32 under a half-precision model: no copy)
+            key, value = key.to(compute), value.to(compute)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        attended = decode_attention.attend(query, key, value, attention_mask, spans, scale)
+        if attended is not None:
+            return attended.to(dtype), None
     if spans is not None:
-        if attention_mask is None and query.shape[2] > 1:
-            raise ValueError("per-sequence attention of several rows needs the pass's mask")
         out = _attend_each_sequence(query, key, value, attention_mask, spans, scaling)
         return out.transpose(1, 2).contiguous().to(dtype), None
     # A cache kept in float32 under a half-precision model holds the model's values exactly.

@@ -30,6 +30,7 @@ from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill
 from engine.delta_channel import DeltaChannel
 from engine.grammar import Grammars
+from engine.kernels import decode_attention
 from engine.loading import (
     context_window,
     embedding_rows,
@@ -224,7 +225,11 @@ class Engine:
         """How requests share the target, for the startup event."""
         if self.batching:
             invariant = ", batch-invariant" if self.config.batch_invariant else ""
-            return f"continuous (max_num_seqs={self.config.max_num_seqs}{invariant})"
+            attention = (
+                f", decode attention: {decode_attention.status()}"
+                if self.device.type == "cpu" else ""
+            )
+            return f"continuous (max_num_seqs={self.config.max_num_seqs}{invariant}{attention})"
         return f"one request at a time ({self._batching_blocked_by})"
 
     def _fixed_proposer(self, method: Method) -> Proposer:

@@ -1,0 +1,144 @@
+"""One call of ``decode_attention.c`` per layer for a whole short pass, from PyTorch tensors.
+
+``attend`` takes the attention of a pass of at most a few rows per sequence (decode rows,
+verification chains and trees) in float32, every sequence over its own extent of the slot
+cache's arena, and returns ``[batch, rows, heads, head_dim]``, or None where the kernel does
+not apply (no library, not CPU float32, a layout it does not take); the caller then runs
+PyTorch's SDPA. It replaces one SDPA call per sequence per layer (about 60-70 us each on 2
+cores whatever the length up to a few hundred positions, docs/engine.md) and computes every
+row independently of the rest of its pass (the C file says how), so a sequence's logits are
+bitwise the same alone and in any batch, in a decode step and as row 0 of a verification.
+
+``SPECGATE_DECODE_ATTENTION=sdpa`` switches it off (PyTorch's path throughout).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+
+import torch
+
+from engine.kernels.build import Built, load
+
+log = logging.getLogger(__name__)
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_switched_off = False
+
+
+@cache
+def _built() -> Built:
+    if os.environ.get("SPECGATE_DECODE_ATTENTION", "kernel") == "sdpa":
+        built = Built(None, "switched off (SPECGATE_DECODE_ATTENTION=sdpa)")
+    else:
+        built = load("decode_attention.c")
+    if built.library is None:
+        log.warning("decode attention: PyTorch SDPA per sequence (%s)", built.detail)
+        return built
+    function = built.library.specgate_attend
+    function.restype = ctypes.c_int
+    function.argtypes = [
+        _PTR, _I64, _I64, _I64,  # query and its batch, head, row strides
+        _PTR, _PTR, _I64, _I64, _I64,  # keys, values, batch, head, position strides
+        _PTR, _PTR,  # offsets, lengths
+        _PTR, _I64, _I64,  # mask and its batch, row strides
+        _PTR,  # out
+        _I64, _I64, _I64, _I64, _I64, ctypes.c_float,  # batch, heads, kv heads, rows, dim, scale
+    ]
+    return built
+
+
+def available() -> bool:
+    return _built().library is not None and not _switched_off
+
+
+@contextmanager
+def switched_off() -> Iterator[None]:
+    """PyTorch's SDPA path inside (benchmarks comparing the two; tests of the fallback)."""
+    global _switched_off
+    before, _switched_off = _switched_off, True
+    try:
+        yield
+    finally:
+        _switched_off = before
+
+
+def status() -> str:
+    """Which decode attention runs, for the startup event."""
+    built = _built()
+    if built.library is None:
+        return f"PyTorch SDPA per sequence ({built.detail})"
+    return f"compiled kernel {built.detail}"
+
+
+def attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    spans: list[tuple[int, int]] | None,
+    scale: float,
+) -> torch.Tensor | None:
+    """Attention of ``query`` ``[batch, heads, rows, dim]`` over ``keys``/``values``: with
+    ``spans``, the arenas ``[1, kv_heads, positions, dim]`` and batch row b over positions
+    ``[offset, offset + length)``; without, ``[batch, kv_heads, length, dim]``. ``mask``:
+    boolean ``[batch or 1, 1, rows, >= length]`` (True = attend), None for one row per
+    sequence seeing all of its extent. None where the kernel does not apply."""
+    built = _built()
+    if built.library is None or _switched_off or not _applies(query, keys, values, mask):
+        return None
+    batch, heads, rows, dim = query.shape
+    kv_heads = keys.shape[1]
+    if spans is None:
+        if keys.shape[0] != batch:
+            return None
+        table = torch.tensor([[0] * batch, [keys.shape[2]] * batch], dtype=torch.long)
+        kv_batch_stride = keys.stride(0)
+    else:
+        table = torch.tensor(list(zip(*spans, strict=True)), dtype=torch.long)
+        kv_batch_stride = 0
+    if mask is not None and mask.shape[3] < int(table[1].max()):
+        return None
+    if mask is not None:
+        mask_batch_stride = 0 if mask.shape[0] == 1 else mask.stride(0)
+        mask_row_stride = mask.stride(2)
+        mask_pointer = mask.data_ptr()
+    else:
+        mask_batch_stride = mask_row_stride = mask_pointer = 0
+    out = torch.empty((batch, rows, heads, dim), dtype=torch.float32)
+    table_pointer = table.data_ptr()  # offsets, then lengths
+    failed = built.library.specgate_attend(
+        query.data_ptr(), query.stride(0), query.stride(1), query.stride(2),
+        keys.data_ptr(), values.data_ptr(), kv_batch_stride, keys.stride(1), keys.stride(2),
+        table_pointer, table_pointer + 8 * batch,
+        mask_pointer, mask_batch_stride, mask_row_stride,
+        out.data_ptr(),
+        batch, heads, kv_heads, rows, dim, scale,
+    )
+    if failed:
+        raise MemoryError("decode attention: no scratch memory")
+    return out
+
+
+def _applies(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+) -> bool:
+    tensors = (query, keys, values)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return False
+    if any(t.stride(-1) != 1 for t in tensors) or keys.stride() != values.stride():
+        return False
+    if keys.shape != values.shape or query.shape[1] % keys.shape[1]:
+        return False
+    if mask is None:
+        return query.shape[2] == 1
+    return (
+        mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+        and mask.shape[2] == query.shape[2] and mask.stride(-1) == 1
+    )
