@@ -45,8 +45,10 @@ static inline float reduce_lanes(lanes_t v) {
     return v[0];
 }
 
-/* q . k over dim elements: element d in lane d mod LANES, then the lanes' tree. */
-static inline float dot(const float *q, const float *k, int64_t dim) {
+/* q . k over dim elements: element d in lane d mod LANES, then the lanes' tree. Inlined
+ * with a constant dim (the common head sizes) the chunk loop unrolls. */
+static inline __attribute__((always_inline)) float dot(const float *q, const float *k,
+                                                       int64_t dim) {
     lanes_t acc = {0};
     int64_t d = 0;
     for (; d + LANES <= dim; d += LANES)
@@ -112,6 +114,21 @@ static void accumulate(
         o[d] *= w;
 }
 
+/* scores[vector][j] = scale * q_vector . k_j for the rows x group query vectors. */
+static inline __attribute__((always_inline)) void score_keys(
+    const float *query, int64_t q_row_stride, int64_t q_head_stride,
+    const float *keys, int64_t position_stride, int64_t rows, int64_t group, int64_t length,
+    int64_t dim, float scale, float *scores, int64_t padded)
+{
+    for (int64_t j = 0; j < length; j++) {
+        const float *k = keys + j * position_stride;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t g = 0; g < group; g++)
+                scores[(r * group + g) * padded + j] =
+                    dot(query + r * q_row_stride + g * q_head_stride, k, dim) * scale;
+    }
+}
+
 /* One (batch row, KV head): its rows x group query vectors. */
 static void attend_group(
     const float *query, int64_t q_row_stride, int64_t q_head_stride,
@@ -123,28 +140,37 @@ static void attend_group(
 {
     const int64_t vectors = rows * group;
     /* Scores, every query vector against each key in turn (the key is read once). */
-    for (int64_t j = 0; j < length; j++) {
-        const float *k = keys + j * position_stride;
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t g = 0; g < group; g++)
-                scores[(r * group + g) * padded + j] =
-                    dot(query + r * q_row_stride + g * q_head_stride, k, dim) * scale;
-    }
+    if (dim == 4 * LANES)
+        score_keys(query, q_row_stride, q_head_stride, keys, position_stride, rows, group,
+                   length, 4 * LANES, scale, scores, padded);
+    else
+        score_keys(query, q_row_stride, q_head_stride, keys, position_stride, rows, group,
+                   length, dim, scale, scores, padded);
     float *inverse = scores + vectors * padded; /* [vectors] */
+    const float minus_infinity = -__builtin_inff();
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *allowed = mask ? mask + r * mask_row_stride : NULL;
         for (int64_t g = 0; g < group; g++) {
             float *s = scores + (r * group + g) * padded;
-            float top = -__builtin_inff();
-            for (int64_t j = 0; j < length; j++)
-                if ((!allowed || allowed[j]) && s[j] > top)
-                    top = s[j];
-            for (int64_t j = 0; j < length; j++) {
-                float e = exp_nonpositive(s[j] - top);
-                s[j] = (!allowed || allowed[j]) ? e : 0.0f;
-            }
+            /* Masked columns and the padding score -inf, then weigh exactly 0. */
+            if (allowed)
+                for (int64_t j = 0; j < length; j++)
+                    s[j] = allowed[j] ? s[j] : minus_infinity;
             for (int64_t j = length; j < padded; j++)
-                s[j] = 0.0f;
+                s[j] = minus_infinity;
+            lanes_t tops = load_lanes(s);
+            for (int64_t j = LANES; j < padded; j += LANES) {
+                lanes_t next = load_lanes(s + j);
+                lane_index_t larger = tops > next;  /* all ones where tops is larger */
+                tops = (lanes_t)((larger & (lane_index_t)tops) | (~larger & (lane_index_t)next));
+            }
+            float top = tops[0];
+            for (int lane = 1; lane < LANES; lane++)
+                top = tops[lane] > top ? tops[lane] : top;
+            for (int64_t j = 0; j < padded; j++) {
+                float e = exp_nonpositive(s[j] - top);
+                s[j] = s[j] > minus_infinity ? e : 0.0f;
+            }
             lanes_t acc = {0};
             for (int64_t j = 0; j < padded; j += LANES)
                 acc += load_lanes(s + j);

@@ -101,7 +101,7 @@ def attend(
         table = torch.tensor([[0] * batch, [keys.shape[2]] * batch], dtype=torch.long)
         kv_batch_stride = keys.stride(0)
     else:
-        table = torch.tensor(list(zip(*spans, strict=True)), dtype=torch.long)
+        table = _span_table(spans)
         kv_batch_stride = 0
     if mask is not None and mask.shape[3] < int(table[1].max()):
         return None
@@ -126,13 +126,30 @@ def attend(
     return out
 
 
+_last_spans: list[list[tuple[int, int]]] = []
+_last_table: list[torch.Tensor] = []
+
+
+def _span_table(spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Offsets, then lengths, as int64 ``[2, batch]``; the last pass's table again when its
+    layers hand the same list (one per pass: ``SlotCache.prepare`` makes a new one)."""
+    if _last_spans and _last_spans[0] is spans:
+        return _last_table[0]
+    table = torch.tensor(list(zip(*spans, strict=True)), dtype=torch.long)
+    _last_spans[:], _last_table[:] = [spans], [table]
+    return table
+
+
 def _applies(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
 ) -> bool:
-    tensors = (query, keys, values)
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+    float32 = torch.float32
+    if query.dtype != float32 or keys.dtype != float32 or values.dtype != float32:
         return False
-    if any(t.stride(-1) != 1 for t in tensors) or keys.stride() != values.stride():
+    if query.device.type != "cpu" or keys.device.type != "cpu" or values.device.type != "cpu":
+        return False
+    strides = keys.stride()
+    if query.stride(-1) != 1 or strides[-1] != 1 or strides != values.stride():
         return False
     if keys.shape != values.shape or query.shape[1] % keys.shape[1]:
         return False
