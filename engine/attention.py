@@ -23,6 +23,13 @@ and values are then the whole arena, ``[1, kv_heads, positions, head_dim]``, and
 row attends over a view of its own extent, with its own columns of the mask: what a pass of
 that sequence alone computes, without copying the batch's keys and values into a padded
 tensor per layer per step.
+
+Every CPU pass of at most ``FLOAT32_ATTENTION_ROWS`` rows attending in float32 (decode and
+verification steps, batched or alone) goes to the compiled kernel of
+``engine.kernels.decode_attention`` first: one call per layer for the whole batch, each row
+computed independently of the rest of its pass (so a decode row is bitwise row 0 of a
+verification pass, and a sequence alone bitwise its rows in a batch). Where it does not
+apply (no compiler, an additive mask, another layout), the SDPA paths below run.
 """
 
 from __future__ import annotations
