@@ -127,17 +127,20 @@ def attend(
     return out
 
 
-_last_spans: list[list[tuple[int, int]]] = []
-_last_table: list[torch.Tensor] = []
+# The last pass's spans and their table, as one tuple: assigned in one step, so an engine in
+# another thread can never pair one pass's spans with another's table.
+_last: tuple[list[tuple[int, int]], torch.Tensor] | None = None
 
 
 def _span_table(spans: list[tuple[int, int]]) -> torch.Tensor:
     """Offsets, then lengths, as int64 ``[2, batch]``; the last pass's table again when its
     layers hand the same list (one per pass: ``SlotCache.prepare`` makes a new one)."""
-    if _last_spans and _last_spans[0] is spans:
-        return _last_table[0]
+    global _last
+    last = _last
+    if last is not None and last[0] is spans:
+        return last[1]
     table = torch.tensor(list(zip(*spans, strict=True)), dtype=torch.long)
-    _last_spans[:], _last_table[:] = [spans], [table]
+    _last = (spans, table)
     return table
 
 
