@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.types import FallbackEvent, Method
@@ -92,6 +92,7 @@ class PassCosts:
     def __init__(self) -> None:
         self._target: dict[int, Ewma] = {}
         self._proposer: dict[str, Ewma] = {}
+        self._proposal: dict[str, Ewma] = {}
         self._catch_up: dict[str, Ewma] = {}
         self._tree_level: dict[str, Ewma] = {}
         self._lock = threading.Lock()
@@ -103,6 +104,18 @@ class PassCosts:
     def record_proposer(self, method: str, seconds: float) -> None:
         with self._lock:
             self._proposer.setdefault(method, Ewma(self.WEIGHT)).update(seconds)
+
+    def record_proposal(self, method: str, seconds: float) -> None:
+        """One whole proposal of a proposer whose cost does not grow with the tokens it
+        proposes (a tree drafted in a few passes: Medusa's heads, EAGLE's levels), so it is
+        priced per proposal, not per token."""
+        with self._lock:
+            self._proposal.setdefault(method, Ewma(self.WEIGHT)).update(seconds)
+
+    def proposal(self, method: str) -> float:
+        with self._lock:
+            ewma = self._proposal.get(method)
+            return ewma.value if ewma is not None and ewma.value is not None else 0.0
 
     def record_catch_up(self, method: str, rows: int, seconds: float) -> None:
         """A pass that fed a proposer ``rows`` committed tokens it had not seen (a draft
@@ -222,11 +235,64 @@ class RunLengths:
         return copy
 
 
+class NodeHits:
+    """How often each node of a tree proposal is on the accepted path, by its index in the
+    proposal (a static tree's node order, a dynamic tree's rank).
+
+    A tree's k first nodes are its proposal of length k, and (greedily) whether a node is
+    accepted depends on its own path only, not on the nodes after it; so the expected tokens
+    of a k-node proposal is 1 + the sum of the first k nodes' rates. A chain's accepted run,
+    which ``RunLengths`` models, says little here: the first node of a wide tree is one of
+    several guesses at the first position, and a run of four accepted tokens in a 16-node
+    tree needs 16 nodes, not five.
+    """
+
+    def __init__(self, max_k: int, decay: float = 1.0) -> None:
+        self.max_k = max_k
+        self.decay = decay
+        self.proposed = [0.0] * max_k
+        self.hits = [0.0] * max_k
+
+    def record(self, proposed: int, path: Sequence[int]) -> None:
+        if proposed == 0:
+            return
+        if self.decay < 1.0:
+            self.proposed = [n * self.decay for n in self.proposed]
+            self.hits = [n * self.decay for n in self.hits]
+        for i in range(min(proposed, self.max_k)):
+            self.proposed[i] += 1
+        for i in path:
+            if i < self.max_k:
+                self.hits[i] += 1
+
+    def rates(self, prior: float, weight: float) -> list[float]:
+        """Each node's acceptance shrunk toward a prior as if ``weight`` proposals had shown
+        it: ``prior`` for the first node, and for each later one the estimate before it (a
+        node never proposed yet is taken to be as good as the one before it, so growing the
+        tree explores, at the cost of a row)."""
+        estimates: list[float] = []
+        rate = prior
+        for i in range(self.max_k):
+            rate = (self.hits[i] + weight * rate) / (self.proposed[i] + weight)
+            estimates.append(rate)
+        return estimates
+
+    def scaled_to(self, steps: float) -> NodeHits:
+        """A copy whose counts weigh at most ``steps`` proposals, with the same shape."""
+        copy = NodeHits(self.max_k)
+        scale = min(1.0, steps / self.proposed[0]) if self.proposed[0] else 0.0
+        copy.proposed = [n * scale for n in self.proposed]
+        copy.hits = [n * scale for n in self.hits]
+        return copy
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One sequence's part in choosing how many tokens a step proposes."""
 
-    survival: list[float]  # S(1), S(2), ...: P(the first j proposals are all accepted)
+    # What the j-th proposed token adds to the tokens expected: for a chain S(j) = P(the first
+    # j proposals are all accepted), for a tree the j-th node's acceptance (``NodeHits``).
+    survival: list[float]
     proposer_seconds: float  # per proposed token
     cap: int  # the most it may propose in this step
     forced: int | None = None  # proposes exactly this many (a fixed k, a replayed schedule)
@@ -235,6 +301,7 @@ class Candidate:
     # still commit.
     resume_seconds: float = 0.0
     tokens_left: int = 1
+    proposal_seconds: float = 0.0  # per proposal, whatever its length (``record_proposal``)
 
     def proposes(self, k: int) -> int:
         return self.forced if self.forced is not None else min(k, self.cap)
@@ -251,7 +318,7 @@ class Candidate:
         if proposed <= 0:
             return 0.0
         resume = self.resume_seconds * self.expected(proposed) / max(self.tokens_left, 1)
-        return proposed * self.proposer_seconds + resume
+        return proposed * self.proposer_seconds + self.proposal_seconds + resume
 
 
 def best_length(
@@ -321,28 +388,39 @@ class SpeculationLength:
         prior_alpha: float,
         costs: PassCosts,
         method: str,
-        history: RunLengths | None = None,
+        history: RunLengths | NodeHits | None = None,
+        trees: bool = False,
     ) -> None:
+        """``history``: the method's engine-wide counts; a ``NodeHits`` one (or ``trees``
+        without one) models a tree proposer, priced per proposal (``PassCosts.proposal``)."""
         self.max_k = max_k
         self.prior_alpha = prior_alpha
         self.costs = costs
         self.method = method
         self.history = history
-        self.runs = (
-            history.scaled_to(self.HISTORY_STEPS) if history is not None else RunLengths(max_k)
-        )
+        self.runs: RunLengths | NodeHits
+        if history is not None:
+            self.runs = history.scaled_to(self.HISTORY_STEPS)
+        else:
+            self.runs = NodeHits(max_k) if trees else RunLengths(max_k)
         self.explore_from = 0  # after a fully accepted step: its k
         self.plain_run = 0  # plain steps chosen in a row
         self.plain_steps = 0  # plain steps chosen in all (probes not counted)
 
-    def record(self, proposed: int, accepted: int) -> None:
-        self.runs.record(proposed, accepted)
-        if self.history is not None:
-            self.history.record(proposed, accepted)
+    def record(self, proposed: int, accepted: int, path: Sequence[int] | None = None) -> None:
+        """A step that proposed ``proposed`` nodes and accepted ``accepted`` of them: the
+        node indices ``path`` (default: a chain's first ``accepted``)."""
+        for counts in (self.runs, self.history):
+            if isinstance(counts, NodeHits):
+                counts.record(proposed, range(accepted) if path is None else path)
+            elif counts is not None:
+                counts.record(proposed, accepted)
         self.explore_from = proposed if proposed and accepted == proposed else 0
 
     def survival(self) -> list[float]:
-        """S(1) .. S(max_k)."""
+        """S(1) .. S(max_k); for a tree, each node's acceptance (``NodeHits.rates``)."""
+        if isinstance(self.runs, NodeHits):
+            return self.runs.rates(self.prior_alpha, self.PRIOR_STEPS)
         alive, curve = 1.0, []
         for hazard in self.runs.hazards(1.0 - self.prior_alpha, self.PRIOR_STEPS):
             alive *= 1.0 - hazard
@@ -353,7 +431,10 @@ class SpeculationLength:
         """This request as a ``best_length`` candidate proposing at most ``cap``, and at most
         one token beyond the longest run the method has ever had accepted (``reach``)."""
         limit = min(self.reach, self.max_k if cap is None else min(cap, self.max_k))
-        return Candidate(self.survival(), self.costs.proposer(self.method), limit)
+        return Candidate(
+            self.survival(), self.costs.proposer(self.method), limit,
+            proposal_seconds=self.costs.proposal(self.method),
+        )
 
     @property
     def reach(self) -> int:
@@ -361,7 +442,11 @@ class SpeculationLength:
         request's and the method's engine-wide). Beyond it the survival curve is the prior's
         alone, and on two CPU cores, where a pass's rows cost little each, a prior of one
         half made a method's first steps propose 16 tokens on text where it is rarely right;
-        the reach grows one token per fully accepted step (``explore_from``) as runs show."""
+        the reach grows one token per fully accepted step (``explore_from``) as runs show.
+        A tree's nodes are not a run: its unseen nodes take the estimate of the node before
+        (``NodeHits.rates``), so it may propose every node."""
+        if isinstance(self.runs, NodeHits):
+            return self.max_k
         return self.runs.longest + 1
 
     def choose(self) -> int:

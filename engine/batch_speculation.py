@@ -197,8 +197,9 @@ def _candidate(seq: Sequence) -> Candidate | None:
     resume = length.costs.catch_up(length.method, seq.catch_up)
     if speculation.schedule is not None or speculation.fixed_k is not None:
         forced = min(speculation.next_k(seq.step), cap)
-        proposer = length.costs.proposer(length.method)
-        return Candidate(length.survival(), proposer, cap, forced, resume, seq.remaining)
+        return replace(
+            length.candidate(cap), forced=forced, resume_seconds=resume, tokens_left=seq.remaining
+        )
     return replace(length.candidate(cap), resume_seconds=resume, tokens_left=seq.remaining)
 
 

@@ -43,6 +43,21 @@ class Speculation:
         return self.fixed_k if self.fixed_k is not None else self.length.choose()
 
 
+def proposes_trees(proposer: Proposer) -> bool:
+    """Whether ``proposer`` drafts trees whose node count is its k and whose cost is per
+    proposal (``MedusaProposer``, ``EagleProposer``): adaptive k then models each node's
+    acceptance (``NodeHits``) and prices a proposal whole (``PassCosts.record_proposal``)."""
+    return bool(getattr(proposer, "proposes_trees", False))
+
+
+def record_proposal_cost(costs: PassCosts, proposer: Proposer, seconds: float, tokens: int) -> None:
+    """``seconds`` of one proposal of ``tokens`` tokens, per proposal or per token."""
+    if proposes_trees(proposer):
+        costs.record_proposal(proposer.method, seconds)
+    else:
+        costs.record_proposer(proposer.method, seconds / tokens)
+
+
 def prefill(
     target: ModelRunner, prompt: list[int], want_hidden: bool = False
 ) -> torch.Tensor | None:
@@ -96,8 +111,8 @@ def decode(
                 context, k, params, generator, speculation.min_confidence, processing
             )
             if costs is not None and proposal.tokens:
-                costs.record_proposer(
-                    proposer.method, (time.perf_counter() - started) / len(proposal.tokens)
+                record_proposal_cost(
+                    costs, proposer, time.perf_counter() - started, len(proposal.tokens)
                 )
 
         committed = len(context)
@@ -134,7 +149,7 @@ def decode(
             if hidden is not None:
                 proposer.observe_hidden(hidden[[0, *(i + 1 for i in path)]])  # type: ignore[attr-defined]
             proposer.accepted(context)
-            speculation.length.record(len(proposal.tokens), len(path))
+            speculation.length.record(len(proposal.tokens), len(path), path)
         remaining -= len(new_tokens)
         yield new_tokens
 

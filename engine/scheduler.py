@@ -36,7 +36,7 @@ from opentelemetry import trace
 from engine.adaptive import PassCosts
 from engine.batch_speculation import BatchSpeculation, Sequence, StepCosts
 from engine.batched_runner import BatchedRunner, Feed
-from engine.decoding import Speculation
+from engine.decoding import Speculation, record_proposal_cost
 from engine.logits_processors import LogitsProcessing
 from engine.logprobs import LogprobRecorder
 from engine.output import OutputAssembler
@@ -300,7 +300,9 @@ class BatchScheduler:
             stats.proposal_lengths.append(len(proposal.tokens))
             if seq.speculation is not None:
                 seq.speculation.proposer.accepted(seq.context)
-                seq.speculation.length.record(len(proposal.tokens), len(verdict.path))
+                seq.speculation.length.record(
+                    len(proposal.tokens), len(verdict.path), verdict.path
+                )
             seq.remaining -= len(new_tokens)
             self._deliver(seq, new_tokens)
 
@@ -335,7 +337,11 @@ class BatchScheduler:
             proposals[index] = proposer.propose(
                 seq.context, k, params, seq.generator, speculation.min_confidence, seq.processing
             )
-            self._record_proposer(proposer.method, started, [proposals[index]])
+            if proposals[index].tokens:
+                record_proposal_cost(
+                    self.costs, proposer, time.perf_counter() - started,
+                    len(proposals[index].tokens),
+                )
         for drafts, indices, requests in shared.values():
             started = time.perf_counter()
             rows = drafts.catch_up(requests)

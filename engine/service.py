@@ -21,13 +21,13 @@ from opentelemetry import trace
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine import methods
-from engine.adaptive import FallbackMonitor, PassCosts, RunLengths, SpeculationLength
+from engine.adaptive import FallbackMonitor, NodeHits, PassCosts, RunLengths, SpeculationLength
 from engine.batch_speculation import StepCosts, crossover
 from engine.batched_cache import supports_batching
 from engine.batched_runner import BatchedRunner
 from engine.compat import continues_exactly
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.decoding import Speculation, decode, prefill
+from engine.decoding import Speculation, decode, prefill, proposes_trees
 from engine.delta_channel import DeltaChannel
 from engine.grammar import Grammars
 from engine.kernels import decode_attention
@@ -186,9 +186,11 @@ class Engine:
         )
         # Engine-wide accepted-run lengths per method, the prior of each request's adaptive k;
         # only the worker thread touches them.
-        self._run_lengths = {
-            method: RunLengths(spec.max_speculative_tokens, decay=HISTORY_DECAY)
-            for method in self._proposers
+        self._run_lengths: dict[Method, RunLengths | NodeHits] = {
+            method: (NodeHits if proposes_trees(proposer) else RunLengths)(
+                spec.max_speculative_tokens, decay=HISTORY_DECAY
+            )
+            for method, proposer in self._proposers.items()
         }
         self._calibrate()
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=config.max_queue)

@@ -33,6 +33,7 @@ FLAT_PASS_SECONDS = 1e-3
 
 _record_target = PassCosts.record_target
 _record_proposer = PassCosts.record_proposer
+_record_proposal = PassCosts.record_proposal
 _record_tree_level = PassCosts.record_tree_level
 _record_step = StepCosts.record
 
@@ -62,6 +63,9 @@ def clock_free_costs() -> Iterator[None]:
     def proposer(costs: PassCosts, method: str, _seconds: float) -> None:
         _record_proposer(costs, method, 0.0)
 
+    def proposal(costs: PassCosts, method: str, _seconds: float) -> None:
+        _record_proposal(costs, method, 0.0)
+
     def tree_level(costs: PassCosts, method: str, _seconds: float) -> None:
         _record_tree_level(costs, method, 0.0)
 
@@ -71,6 +75,7 @@ def clock_free_costs() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PassCosts, "record_target", target)
         patch.setattr(PassCosts, "record_proposer", proposer)
+        patch.setattr(PassCosts, "record_proposal", proposal)
         patch.setattr(PassCosts, "record_tree_level", tree_level)
         patch.setattr(StepCosts, "record", step)
         yield

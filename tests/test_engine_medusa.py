@@ -365,3 +365,17 @@ def test_heads_cli_reports_each_medusa_heads_held_out_accuracy(
     )
     accuracy = json.loads((out / "training.json").read_text())["held_out_top1_per_head"]
     assert len(accuracy) == 2 and all(0.0 <= a <= 1.0 for a in accuracy)
+
+
+def test_adaptive_k_proposes_the_whole_tree_where_its_rows_cost_nothing(engine: Engine) -> None:
+    """Every pass costs the same here (``clock_free_costs``) and each node of the tree can
+    only add accepted tokens, so adaptive k must propose every node. Modelled as a chain's
+    accepted run, k was capped at one node beyond the longest accepted run (at most 5 with 4
+    heads) and a tree's first nodes were credited with the whole tree's acceptance."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = tuple(engine.tokenizer.encode(PROMPTS[0]))
+    result = engine.generate(GenerationRequest(prompt, params, SpeculativeChoice("medusa")))
+    proposer = engine.new_proposer("medusa")
+    assert isinstance(proposer, MedusaProposer)
+    assert len(proposer.paths) > 5  # the built-in tree's nodes within the tiny heads' depth
+    assert max(result.stats.proposal_lengths) == len(proposer.paths)

@@ -167,6 +167,7 @@ class TreeDepth:
 class EagleProposer:
     method: Method = "eagle"
     wants_hidden = True
+    proposes_trees = True  # k is its node count; priced per proposal (engine.decoding)
 
     def __init__(
         self,

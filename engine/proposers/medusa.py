@@ -49,6 +49,7 @@ def check_tree(paths: tuple[tuple[int, ...], ...]) -> None:
 class MedusaProposer:
     method: Method = "medusa"
     wants_hidden = True
+    proposes_trees = True  # k is its node count; priced per proposal (engine.decoding)
 
     def __init__(
         self,
