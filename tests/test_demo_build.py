@@ -192,20 +192,25 @@ def test_a_second_build_reads_the_cached_answers_and_gives_the_same_draft_bitwis
         assert (tmp_path / "again" / "draft" / name).read_bytes() == fresh
 
 
-def test_the_answer_cache_is_keyed_by_target_version_and_answer_parameters(
+def test_the_answer_cache_is_keyed_by_target_version_answer_parameters_and_prompts(
     tmp_path: Path,
 ) -> None:
     spec = QUICK_DRAFT.answers
+    chats = [DistillationPrompt("chat", [{"role": "user", "content": "Name a lake."}])]
+    other = [DistillationPrompt("chat", [{"role": "user", "content": "Name a river."}])]
     paths = {
-        cache_path(tmp_path, "sha256:a", spec),
-        cache_path(tmp_path, "sha256:b", spec),
-        cache_path(tmp_path, "sha256:a", replace(spec, answer_tokens=spec.answer_tokens + 1)),
-        cache_path(tmp_path, "sha256:a", replace(spec, teacher_top_k=spec.teacher_top_k + 1)),
+        cache_path(tmp_path, "sha256:a", spec, chats),
+        cache_path(tmp_path, "sha256:b", spec, chats),
+        cache_path(tmp_path, "sha256:a", replace(spec, answer_tokens=spec.answer_tokens + 1),
+                   chats),
+        cache_path(tmp_path, "sha256:a", replace(spec, teacher_top_k=spec.teacher_top_k + 1),
+                   chats),
+        cache_path(tmp_path, "sha256:a", spec, other),
     }
-    assert len(paths) == 4
+    assert len(paths) == 5
     retrained = replace(QUICK_DRAFT, steps=QUICK_DRAFT.steps + 1, lr=1e-4, layers=(0, 1))
-    assert cache_path(tmp_path, "sha256:a", retrained.answers) == cache_path(
-        tmp_path, "sha256:a", spec
+    assert cache_path(tmp_path, "sha256:a", retrained.answers, chats) == cache_path(
+        tmp_path, "sha256:a", spec, chats
     )
 
 

@@ -116,9 +116,14 @@ def target_answers(
     return [samples[i] for i in range(len(prompts))]
 
 
-def cache_path(directory: Path, target_version: str, spec: AnswerSpec) -> Path:
-    """The file holding the answers of the target ``target_version`` under ``spec``."""
-    parts = [target_version, asdict(spec), MAX_PROMPT_TOKENS]
+def cache_path(
+    directory: Path, target_version: str, spec: AnswerSpec, chats: list[DistillationPrompt]
+) -> Path:
+    """The file holding the answers of the target ``target_version`` to ``chats`` under
+    ``spec``: the prompts themselves are in the key, so a changed corpus never reads back
+    another corpus's answers."""
+    prompts = [[chat.kind, chat.messages] for chat in chats]
+    parts = [target_version, asdict(spec), MAX_PROMPT_TOKENS, prompts]
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
     return directory / f"answers-{key}.safetensors"
 
@@ -162,7 +167,7 @@ def cached_answers(
     """``target_answers``, read back from ``cache_dir`` when an earlier build wrote them for
     the same target version and ``spec`` (and written there otherwise); the flag says
     whether they were read back."""
-    path = None if cache_dir is None else cache_path(cache_dir, target_version, spec)
+    path = None if cache_dir is None else cache_path(cache_dir, target_version, spec, chats)
     if path is not None and path.is_file():
         return load_samples(path), True
     samples = target_answers(target, tokenizer, chats, spec, progress)
