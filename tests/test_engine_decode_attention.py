@@ -22,12 +22,9 @@ from hypothesis import strategies as st
 
 from engine.batched_runner import BatchedRunner, Feed
 from engine.kernels import build, decode_attention
-from engine.loading import load_model
-from engine.packed_linear import pack_linear_weights
 from engine.tree import ancestor_mask
-from tests.tiny_models import build_model, build_tokenizer
+from tests.tiny_models import build_three_layer_target, load_packed
 
-CPU = torch.device("cpu")
 # Float32 sums in another order, outputs of order one; scores up to ~20 in magnitude (scale
 # 0.3 over 96 dimensions), whose rounding moves a weight by |score| ulps: 4e-6 seen.
 TOLERANCE = 1e-5
@@ -196,14 +193,11 @@ def test_without_a_compiler_the_images_portable_build_is_loaded(
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = build_tokenizer()
-    return build_model(tmp_path_factory.mktemp("kernel") / "target", tokenizer, seed=5, layers=3)
+    return build_three_layer_target(tmp_path_factory, "kernel", seed=5)
 
 
 def runner(target: Path, dtype: str) -> BatchedRunner:
-    model = load_model(target, CPU, dtype)  # type: ignore[arg-type]
-    pack_linear_weights(model)
-    return BatchedRunner(model, max_slots=4)
+    return BatchedRunner(load_packed(target, dtype), max_slots=4)
 
 
 PROMPTS = [[(7 * i + 3 * s) % 250 + 4 for i in range(n)] for s, n in enumerate((9, 23, 4, 15))]

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM, PreTrainedModel
+from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 from engine.batched_runner import BatchedRunner, Feed
 from engine.fused_projections import FusedPackedLinear
 from engine.loading import load_model
 from engine.packed_linear import PackedLinear, pack_linear_weights
-from tests.tiny_models import build_model, build_tokenizer
+from tests.tiny_models import build_three_layer_target, load_packed
 
 CPU = torch.device("cpu")
 # Logit tolerance: float32 sums in another order; bfloat16 rounds every layer's output.
@@ -28,18 +28,11 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25}
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = build_tokenizer()
-    return build_model(tmp_path_factory.mktemp("fused") / "target", tokenizer, seed=3, layers=3)
-
-
-def served(target: Path, dtype: str) -> PreTrainedModel:
-    model = load_model(target, CPU, dtype)  # type: ignore[arg-type]
-    pack_linear_weights(model)
-    return model
+    return build_three_layer_target(tmp_path_factory, "fused", seed=3)
 
 
 def test_every_llama_attention_and_mlp_runs_one_fused_product(target: Path) -> None:
-    model = served(target, "float32")
+    model = load_packed(target, "float32")
     attentions = [m for m in model.modules() if type(m) is LlamaAttention]
     mlps = [m for m in model.modules() if type(m) is LlamaMLP]
     assert attentions and mlps
@@ -61,7 +54,7 @@ def test_every_llama_attention_and_mlp_runs_one_fused_product(target: Path) -> N
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_forward_gives_hf_logits_and_greedy_tokens(target: Path, dtype: str) -> None:
-    model = served(target, dtype)
+    model = load_packed(target, dtype)
     reference = load_model(target, CPU, dtype)  # type: ignore[arg-type]
     torch.manual_seed(0)
     ids = torch.randint(3, 300, (3, 17))
@@ -74,7 +67,7 @@ def test_fused_forward_gives_hf_logits_and_greedy_tokens(target: Path, dtype: st
 
 
 def test_batched_passes_with_ragged_lengths_padding_and_trees_match_hf(target: Path) -> None:
-    fused = BatchedRunner(served(target, "float32"), max_slots=3)
+    fused = BatchedRunner(load_packed(target, "float32"), max_slots=3)
     plain = BatchedRunner(load_model(target, CPU, "float32"), max_slots=3)
     prompts = [list(range(5, 5 + n)) for n in (9, 23, 4)]
     feeds = [
@@ -95,7 +88,7 @@ def test_batched_passes_with_ragged_lengths_padding_and_trees_match_hf(target: P
 
 
 def test_a_pass_recording_autograd_trains_the_original_parameters(target: Path) -> None:
-    model = served(target, "float32")
+    model = load_packed(target, "float32")
     assert isinstance(model, LlamaForCausalLM)
     model.train()
     ids = torch.randint(3, 300, (2, 7))

@@ -15,14 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import PreTrainedModel
 
 from engine.batched_cache import SlotBatch
 from engine.batched_runner import BatchedRunner, Feed
 from engine.lean_llama import LeanLlama, lean_model
 from engine.loading import load_model
-from engine.packed_linear import pack_linear_weights
-from tests.tiny_models import build_model, build_tokenizer
+from tests.tiny_models import build_three_layer_target, load_packed
 
 CPU = torch.device("cpu")
 FLOAT32_TOLERANCE = 1e-4  # against the unfused model: sums in another order
@@ -30,14 +28,7 @@ FLOAT32_TOLERANCE = 1e-4  # against the unfused model: sums in another order
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = build_tokenizer()
-    return build_model(tmp_path_factory.mktemp("lean") / "target", tokenizer, seed=5, layers=3)
-
-
-def served(target: Path, dtype: str) -> PreTrainedModel:
-    model = load_model(target, CPU, dtype)  # type: ignore[arg-type]
-    pack_linear_weights(model)
-    return model
+    return build_three_layer_target(tmp_path_factory, "lean", seed=5)
 
 
 def prompts() -> list[list[int]]:
@@ -80,7 +71,7 @@ def run(runner: BatchedRunner, hidden: bool) -> list[list[torch.Tensor]]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("hidden", [False, True])
 def test_lean_passes_give_hf_modules_logits_bitwise(target: Path, dtype: str, hidden: bool) -> None:
-    model = served(target, dtype)
+    model = load_packed(target, dtype)
     lean = BatchedRunner(model, max_slots=4)
     modules = BatchedRunner(model, max_slots=4, lean=False)
     assert isinstance(lean.lean, LeanLlama) and modules.lean is None
@@ -93,7 +84,7 @@ def test_lean_passes_give_hf_modules_logits_bitwise(target: Path, dtype: str, hi
 
 
 def test_lean_passes_match_the_unfused_model_in_float32(target: Path) -> None:
-    lean = BatchedRunner(served(target, "float32"), max_slots=4)
+    lean = BatchedRunner(load_packed(target, "float32"), max_slots=4)
     unfused = BatchedRunner(load_model(target, CPU, "float32"), max_slots=4)
     assert lean.lean is not None and unfused.lean is None
     for one, other in zip(run(lean, False), run(unfused, False), strict=True):
@@ -106,7 +97,7 @@ def test_lean_passes_match_the_unfused_model_in_float32(target: Path) -> None:
 def test_batched_greedy_decoding_gives_each_sequence_its_tokens_alone(
     target: Path, dtype: str
 ) -> None:
-    model = served(target, dtype)
+    model = load_packed(target, dtype)
 
     def decode(runner: BatchedRunner, slots: list[int], steps: int) -> dict[int, list[int]]:
         chunks = prompts()
@@ -128,18 +119,18 @@ def test_batched_greedy_decoding_gives_each_sequence_its_tokens_alone(
 
 def test_models_the_lean_forward_does_not_cover_keep_hf_modules(target: Path) -> None:
     assert lean_model(load_model(target, CPU, "float32")) is None  # not fused
-    eager = served(target, "float32")
+    eager = load_packed(target, "float32")
     eager.set_attn_implementation("eager")
     assert lean_model(eager) is None
-    hooked = served(target, "float32")
+    hooked = load_packed(target, "float32")
     hooked.model.layers[1].mlp.register_forward_hook(lambda *_: None)
     assert lean_model(hooked) is None
     assert BatchedRunner(hooked, max_slots=2).lean is None
-    assert lean_model(served(target, "float32")) is not None
+    assert lean_model(load_packed(target, "float32")) is not None
 
 
 def test_per_sequence_attention_of_several_rows_needs_a_mask(target: Path) -> None:
-    lean = BatchedRunner(served(target, "float32"), max_slots=2)
+    lean = BatchedRunner(load_packed(target, "float32"), max_slots=2)
     for slot in range(2):
         lean.forward([Feed(slot, prompts()[slot][:5])], last_only=True)
     assert lean.lean is not None
@@ -154,7 +145,7 @@ def test_per_sequence_attention_of_several_rows_needs_a_mask(target: Path) -> No
 def test_a_hook_registered_after_the_runner_was_built_is_called(target: Path) -> None:
     """A forward hook put on the model later (a test's perturbation of verification, a
     profiler) sees every pass: the lean forward, which would skip it, gives way to HF's."""
-    runner = BatchedRunner(served(target, "float32"), max_slots=2)
+    runner = BatchedRunner(load_packed(target, "float32"), max_slots=2)
     assert runner.lean is not None
     seen: list[int] = []
     hook = runner.model.register_forward_hook(

@@ -17,23 +17,17 @@ import torch
 
 from engine.batched_cache import SlotCache
 from engine.batched_runner import BatchedRunner, Feed
-from engine.loading import load_model
-from engine.packed_linear import pack_linear_weights
-from tests.tiny_models import build_model, build_tokenizer
-
-CPU = torch.device("cpu")
+from tests.tiny_models import build_three_layer_target, load_packed
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = build_tokenizer()
-    return build_model(tmp_path_factory.mktemp("spans") / "target", tokenizer, seed=5, layers=3)
+    return build_three_layer_target(tmp_path_factory, "spans", seed=5)
 
 
 def runners(target: Path, dtype: str) -> tuple[BatchedRunner, BatchedRunner]:
     """The served runner, and one over the same model that gathers padded keys and values."""
-    model = load_model(target, CPU, dtype)  # type: ignore[arg-type]
-    pack_linear_weights(model)
+    model = load_packed(target, dtype)
     served = BatchedRunner(model, max_slots=3)
     gathering = BatchedRunner(model, max_slots=3)
     gathering.cache = SlotCache(model.config, 3)

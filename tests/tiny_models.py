@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from engine.demo.tokenizer import train_tokenizer
+from engine.loading import load_model
+from engine.packed_linear import pack_linear_weights
 
 SAMPLE_TEXT = [
     "def add(a, b):\n    return a + b\n",
@@ -78,3 +81,16 @@ def build_noisy_copy(source: Path, out: Path, *, noise: float, seed: int = 7) ->
     model.save_pretrained(out)
     PreTrainedTokenizerFast.from_pretrained(source).save_pretrained(out)
     return out
+
+
+def build_three_layer_target(factory: pytest.TempPathFactory, name: str, seed: int) -> Path:
+    """A three-layer tiny target in a fresh directory: the fixture of the CPU pass tests."""
+    return build_model(factory.mktemp(name) / "target", build_tokenizer(), seed=seed, layers=3)
+
+
+def load_packed(target: Path, dtype: str) -> PreTrainedModel:
+    """``target`` loaded on the CPU as the engine serves it: linear weights packed (and Llama
+    projections fused)."""
+    model = load_model(target, torch.device("cpu"), dtype)  # type: ignore[arg-type]
+    pack_linear_weights(model)
+    return model
