@@ -183,6 +183,20 @@ class PassCosts:
         return max(0.0, t0 + (t1 - t0) * (tokens - n0) / (n1 - n0))
 
 
+def shrunk_chain(
+    events: Sequence[float], trials: Sequence[float], prior: float, weight: float
+) -> list[float]:
+    """Per position, ``events / trials`` shrunk toward the estimate of the position before
+    (``prior`` for the first) as if ``weight`` trials had shown it: positions without data
+    carry the estimate before them."""
+    estimates: list[float] = []
+    estimate = prior
+    for seen, tried in zip(events, trials, strict=True):
+        estimate = (seen + weight * estimate) / (tried + weight)
+        estimates.append(estimate)
+    return estimates
+
+
 class RunLengths:
     """How long a proposer stays right, as Kaplan-Meier counts of accepted runs.
 
@@ -218,12 +232,7 @@ class RunLengths:
         """P(the run stops at m | it reached m) per position, shrunk toward a prior as if
         ``weight`` steps had shown it: ``prior`` for the first position, and for each later
         one the estimate before it (so positions without data carry it)."""
-        estimates: list[float] = []
-        hazard = prior
-        for m in range(self.max_k):
-            hazard = (self.stopped[m] + weight * hazard) / (self.at_risk[m] + weight)
-            estimates.append(hazard)
-        return estimates
+        return shrunk_chain(self.stopped, self.at_risk, prior, weight)
 
     def scaled_to(self, steps: float) -> RunLengths:
         """A copy whose counts weigh at most ``steps`` steps, with the same shape."""
@@ -270,12 +279,7 @@ class NodeHits:
         it: ``prior`` for the first node, and for each later one the estimate before it (a
         node never proposed yet is taken to be as good as the one before it, so growing the
         tree explores, at the cost of a row)."""
-        estimates: list[float] = []
-        rate = prior
-        for i in range(self.max_k):
-            rate = (self.hits[i] + weight * rate) / (self.proposed[i] + weight)
-            estimates.append(rate)
-        return estimates
+        return shrunk_chain(self.hits, self.proposed, prior, weight)
 
     def scaled_to(self, steps: float) -> NodeHits:
         """A copy whose counts weigh at most ``steps`` proposals, with the same shape."""
