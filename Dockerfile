@@ -29,7 +29,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# A C compiler for the engine's CPU decode-attention kernel (engine/kernels), built below.
+# A C compiler for the engine's CPU kernels (engine/kernels: decode attention, small
+# products), built below.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
        "gcc=${GCC_VERSION}" "libc6-dev=${LIBC_DEV_VERSION}" \
@@ -45,7 +46,7 @@ COPY engine ./engine
 COPY gateway ./gateway
 COPY migrations ./migrations
 COPY bench ./bench
-# The runtime stage has no compiler: the kernel is built here, portable (x86-64-v3: AVX2 and
+# The runtime stage has no compiler: the kernels are built here, portable (x86-64-v3: AVX2 and
 # FMA), into the installed package (-P: the installed copy, not /src's, is the one built).
 RUN pip install --no-cache-dir . \
     && pip check \

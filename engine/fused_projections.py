@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import (
     ALL_ATTENTION_FUNCTIONS,
     LlamaAttention,
@@ -32,26 +33,45 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
+from engine.kernels import small_gemm
+
 
 class FusedPackedLinear(torch.nn.Module):
     """Several linear layers over one input as one oneDNN-packed product; ``forward`` returns
     each layer's output (views of the product, in the layers' order)."""
 
+    packed_weight: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, linears: list[torch.nn.Linear]) -> None:
         super().__init__()
         self.sizes = [linear.out_features for linear in linears]
+        # float32 where the small-product kernel is built: its panels for short passes, and
+        # for long ones (prefill) F.linear on the layers' own weights, side by side.
+        self.small = small_gemm.applies(linears[0].weight)
+        self.linears = tuple(linears)  # not submodules: the model holds them already
         with torch.no_grad():
             weight = torch.cat([linear.weight.detach() for linear in linears])
             biases = [linear.bias for linear in linears]
             bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+            packed = (small_gemm.pack(weight) if self.small
+                      else torch.ops.mkldnn._reorder_linear_weight(weight))
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 
     def product(self, input: torch.Tensor) -> torch.Tensor:
         """The layers' outputs side by side, ``[..., sum(sizes)]``."""
         weight, bias = self.packed_weight, self.bias
-        return torch.ops.mkldnn._linear_pointwise(input, weight, bias, "none", [], "")
+        if not self.small:
+            return torch.ops.mkldnn._linear_pointwise(input, weight, bias, "none", [], "")
+        out = small_gemm.product(input, weight, sum(self.sizes), bias)
+        if out is not None:
+            return out
+        return torch.cat([
+            F.linear(input, linear.weight.detach(),
+                     None if linear.bias is None else linear.bias.detach())
+            for linear in self.linears
+        ], dim=-1)
 
     def forward(self, input: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(self.product(input).split(self.sizes, dim=-1))

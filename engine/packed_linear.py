@@ -24,28 +24,48 @@ copy of the weights in memory. A pass with autograd recording runs ``F.linear`` 
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 
 from engine.fused_projections import fuse_projections
+from engine.kernels import small_gemm
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+@cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of ``dtype`` on this CPU: its bfloat16 path needs
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and refuses elsewhere (an AVX2-only EPYC), where
+    bfloat16 layers keep ``F.linear``."""
+    if not torch.backends.mkldnn.is_available() or dtype not in _PACKABLE_DTYPES:
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros((16, 16), dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
+
+
 def can_pack(linear: torch.nn.Linear) -> bool:
-    """Whether oneDNN takes this layer: a CPU weight in float32 or bfloat16."""
+    """Whether oneDNN takes this layer: a CPU weight in float32, or in bfloat16 where this
+    CPU has oneDNN's bfloat16 path."""
     weight = linear.weight
     return (
-        torch.backends.mkldnn.is_available()
-        and weight.device.type == "cpu"
-        and weight.dtype in _PACKABLE_DTYPES
+        weight.device.type == "cpu"
+        and _onednn_packs(weight.dtype)
         and (linear.bias is None or linear.bias.dtype == weight.dtype)
     )
 
 
 class PackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` (same ``weight`` and ``bias`` parameters) that runs inference passes
-    on a oneDNN-packed copy of its weight."""
+    on a oneDNN-packed copy of its weight (float32 where the small-product kernel is built:
+    its panels, ``engine.kernels.small_gemm``)."""
+
+    packed_weight: torch.Tensor
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         torch.nn.Module.__init__(self)
@@ -53,14 +73,22 @@ class PackedLinear(torch.nn.Linear):
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        # float32 where the small-product kernel is built: its panels (short passes) and
+        # F.linear on the weight (long ones); otherwise oneDNN's packed copy for every pass.
+        self.small = small_gemm.applies(linear.weight)
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+            weight = linear.weight.detach()
+            packed = (small_gemm.pack(weight) if self.small
+                      else torch.ops.mkldnn._reorder_linear_weight(weight))
         self.register_buffer("packed_weight", packed, persistent=False)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (input.requires_grad or self.weight.requires_grad):
             return F.linear(input, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
+        if self.small:
+            out = small_gemm.product(input, self.packed_weight, self.out_features, bias)
+            return F.linear(input, self.weight.detach(), bias) if out is None else out
         return torch.ops.mkldnn._linear_pointwise(
             input, self.packed_weight, bias, "none", [], ""
         )

@@ -30,7 +30,7 @@ from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill, proposes_trees
 from engine.delta_channel import DeltaChannel
 from engine.grammar import Grammars
-from engine.kernels import decode_attention
+from engine.kernels import decode_attention, small_gemm
 from engine.loading import (
     context_window,
     embedding_rows,
@@ -229,6 +229,7 @@ class Engine:
             invariant = ", batch-invariant" if self.config.batch_invariant else ""
             attention = (
                 f", decode attention: {decode_attention.status()}"
+                f", small products: {small_gemm.status()}"
                 if self.device.type == "cpu" else ""
             )
             return f"continuous (max_num_seqs={self.config.max_num_seqs}{invariant}{attention})"

@@ -177,7 +177,7 @@ def test_without_a_compiler_the_images_portable_build_is_loaded(
 ) -> None:
     monkeypatch.setattr(build, "PREBUILT_DIR", tmp_path / "prebuilt")
     monkeypatch.setenv("SPECGATE_KERNEL_DIR", str(tmp_path / "cache"))
-    (path,) = build.prebuild()
+    (path,) = [path for path in build.prebuild() if path.name.startswith("decode_attention")]
     monkeypatch.setenv("CC", "")
     built = build.load("decode_attention.c")
     assert built.library is not None and "prebuilt" in built.detail
