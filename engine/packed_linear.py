@@ -36,7 +36,7 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @cache
-def _onednn_packs(dtype: torch.dtype) -> bool:
+def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs weights of ``dtype`` on this CPU: its bfloat16 path needs
     AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and refuses elsewhere (an AVX2-only EPYC), where
     bfloat16 layers keep ``F.linear``."""
@@ -55,7 +55,7 @@ def can_pack(linear: torch.nn.Linear) -> bool:
     weight = linear.weight
     return (
         weight.device.type == "cpu"
-        and _onednn_packs(weight.dtype)
+        and onednn_packs(weight.dtype)
         and (linear.bias is None or linear.bias.dtype == weight.dtype)
     )
 

@@ -8,9 +8,7 @@ independently of the other rows of its call (the C file says how), so a sequence
 and with ``engine.kernels.decode_attention`` its logits, are bitwise the same alone and in
 any batch of at most ``MAX_ROWS`` rows.
 
-On the 2-core AMD EPYC (AVX2, FMA) this replaced oneDNN's packed float32 products, whose
-two OpenMP threads waited for each other on shared cores (figures: docs/engine.md, "The
-products of a decode step").
+Figures (an AVX2-only EPYC, loaded): docs/engine.md, "The products of a decode step".
 
 ``SPECGATE_SMALL_GEMM=onednn`` switches it off (oneDNN's packed products throughout).
 """
