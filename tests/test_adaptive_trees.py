@@ -35,6 +35,7 @@ def test_a_trees_expected_tokens_are_its_first_nodes_acceptance() -> None:
 class _TreeProposer:
     method = "eagle"
     proposes_trees = True
+    most_tokens = 16
 
     def propose(self, *_args: object) -> Proposal:
         return Proposal([])
