@@ -43,10 +43,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from engine.kernels import decode_attention
+from engine.types import MAX_STEP_ROWS
 
 CPU_GQA_SDPA = "specgate_cpu_gqa_sdpa"
-# Passes of at most this many query rows attend in float32 when the model is in half precision.
-FLOAT32_ATTENTION_ROWS = 16
+# Passes of at most this many query rows attend in float32 when the model is in half precision:
+# every decode and verification pass (a pass of the longest proposal included).
+FLOAT32_ATTENTION_ROWS = MAX_STEP_ROWS
 # Keyword arguments that only transformers' own sdpa path handles.
 _SPECIAL = ("position_bias", "softcap", "s_aux", "sinks")
 

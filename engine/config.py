@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine import methods
 from engine.methods import RegisteredMethod
-from engine.types import Method
+from engine.types import MAX_SPECULATIVE_TOKENS, Method
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 
@@ -28,9 +28,14 @@ class SpeculativeConfig(BaseModel):
 
     method: RegisteredMethod = "none"
     num_speculative_tokens: int | None = Field(
-        default=None, ge=1, le=16, description="Fixed K; None lets the engine adapt K per request."
+        default=None,
+        ge=1,
+        le=MAX_SPECULATIVE_TOKENS,
+        description="Fixed K; None lets the engine adapt K per request.",
     )
-    max_speculative_tokens: int = Field(default=16, ge=1, le=16)
+    max_speculative_tokens: int = Field(
+        default=MAX_SPECULATIVE_TOKENS, ge=1, le=MAX_SPECULATIVE_TOKENS
+    )
     prompt_lookup_min: int = Field(default=1, ge=1)
     prompt_lookup_max: int = Field(default=4, ge=1)
     draft_confidence_threshold: float = Field(

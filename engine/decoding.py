@@ -43,16 +43,9 @@ class Speculation:
         return self.fixed_k if self.fixed_k is not None else self.length.choose()
 
 
-def proposes_trees(proposer: Proposer) -> bool:
-    """Whether ``proposer`` drafts trees whose node count is its k and whose cost is per
-    proposal (``MedusaProposer``, ``EagleProposer``): adaptive k then models each node's
-    acceptance (``NodeHits``) and prices a proposal whole (``PassCosts.record_proposal``)."""
-    return bool(getattr(proposer, "proposes_trees", False))
-
-
 def record_proposal_cost(costs: PassCosts, proposer: Proposer, seconds: float, tokens: int) -> None:
     """``seconds`` of one proposal of ``tokens`` tokens, per proposal or per token."""
-    if proposes_trees(proposer):
+    if proposer.proposes_trees:
         costs.record_proposal(proposer.method, seconds)
     else:
         costs.record_proposer(proposer.method, seconds / tokens)

@@ -43,21 +43,17 @@ from engine.output import OutputAssembler
 from engine.proposers.base import Proposal
 from engine.proposers.batched_draft import BatchedDraft, BatchedDraftProposer, DraftRequest
 from engine.step import StepRow, run_step
-from engine.types import GenerationStats, Method, StreamDelta
+from engine.types import MAX_STEP_ROWS, GenerationStats, Method, StreamDelta
 
 if TYPE_CHECKING:
     from engine.service import RequestHandle
 
 _tracer = trace.get_tracer("specgate.engine")
 
-# The most rows a decode pass feeds one sequence: its last token and at most 16 proposal
-# nodes (``max_speculative_tokens`` and ``num_speculative_tokens`` are at most 16), padding
-# included; a pass near the end of a request writes that far past its committed tokens.
-MAX_STEP_ROWS = 17
-
-
 def reservation(prompt_tokens: int, max_tokens: int) -> int:
-    """KV positions a request's slot may need: its prompt, its output and one step's rows."""
+    """KV positions a request's slot may need: its prompt, its output and one step's rows
+    (padding included: a pass near the end of a request writes that far past its committed
+    tokens)."""
     return prompt_tokens + max_tokens + MAX_STEP_ROWS
 
 

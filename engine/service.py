@@ -27,7 +27,7 @@ from engine.batched_cache import supports_batching
 from engine.batched_runner import BatchedRunner
 from engine.compat import continues_exactly
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.decoding import Speculation, decode, prefill, proposes_trees
+from engine.decoding import Speculation, decode, prefill
 from engine.delta_channel import DeltaChannel
 from engine.grammar import Grammars
 from engine.kernels import decode_attention, small_gemm
@@ -48,6 +48,7 @@ from engine.proposers import Proposer
 from engine.proposers.base import ShapeAdapting
 from engine.scheduler import ActiveSequence, BatchLimits, BatchScheduler, annotate, reservation
 from engine.types import (
+    MAX_SPECULATIVE_TOKENS,
     MAX_TOP_LOGPROBS,
     CompiledConstraint,
     Constraint,
@@ -74,6 +75,9 @@ SEEDED_DEFAULT_K = 4
 # Each step shrinks the weight of older steps in the engine-wide run lengths: about the last
 # 200 steps (a handful of requests) count.
 HISTORY_DECAY = 0.995
+# Load-time calibration times every target pass width up to this many rows (a 16-node
+# proposal's), and every fourth width beyond it: a pass's cost grows smoothly with its rows.
+DENSE_CALIBRATION_ROWS = 17
 
 FallbackListener = Callable[[FallbackEvent], None]
 
@@ -187,8 +191,8 @@ class Engine:
         # Engine-wide accepted-run lengths per method, the prior of each request's adaptive k;
         # only the worker thread touches them.
         self._run_lengths: dict[Method, RunLengths | NodeHits] = {
-            method: (NodeHits if proposes_trees(proposer) else RunLengths)(
-                spec.max_speculative_tokens, decay=HISTORY_DECAY
+            method: (NodeHits if proposer.proposes_trees else RunLengths)(
+                self._max_k(method), decay=HISTORY_DECAY
             )
             for method, proposer in self._proposers.items()
         }
@@ -254,9 +258,8 @@ class Engine:
         speculating pays up to ``max_num_seqs``; 0 for a method that is not loaded."""
         if method not in self._proposers:
             return 0.0
-        spec = self.speculative_config
         fresh = SpeculationLength(
-            spec.max_speculative_tokens,
+            self._max_k(method),
             self._monitor.prior(method),
             self._costs,
             method,
@@ -337,9 +340,10 @@ class Engine:
                 "speculative",
             )
         k = choice.num_speculative_tokens
-        if k is not None and not 1 <= k <= 16:
+        if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise InvalidRequestError(
-                "num_speculative_tokens must lie in [1, 16]", "speculative.num_speculative_tokens"
+                f"num_speculative_tokens must lie in [1, {MAX_SPECULATIVE_TOKENS}]",
+                "speculative.num_speculative_tokens",
             )
 
     def _serve(self) -> None:
@@ -386,7 +390,7 @@ class Engine:
         schedule = request.speculative.schedule
         if schedule is not None:  # a replay: exactly the recorded proposal lengths
             length = SpeculationLength(
-                spec.max_speculative_tokens, 0.0, self._costs, method, self._run_lengths[method]
+                self._max_k(method), 0.0, self._costs, method, self._run_lengths[method]
             )
             proposer = self._fixed_proposer(method)
             return _Plan(Speculation(proposer, None, length, 0.0, schedule), method, False)
@@ -398,22 +402,32 @@ class Engine:
             return _Plan(None, method, True)
         prior = self._monitor.prior(method)
         length = SpeculationLength(
-            spec.max_speculative_tokens, prior, self._costs, method, self._run_lengths[method]
+            self._max_k(method), prior, self._costs, method, self._run_lengths[method]
         )
         confidence = spec.draft_confidence_threshold if fixed_k is None else 0.0
         proposer = self._new_proposer[method]() if fixed_k is None else self._fixed_proposer(method)
         speculation = Speculation(proposer, fixed_k, length, confidence)
         return _Plan(speculation, method, False)
 
+    def _max_k(self, method: Method) -> int:
+        """The most a proposal of ``method`` may hold: ``max_speculative_tokens``, and no
+        more than its proposer can propose (``Proposer.most_tokens``)."""
+        limit = self.speculative_config.max_speculative_tokens
+        most = self._proposers[method].most_tokens
+        return limit if most is None else min(limit, most)
+
     def _calibrate(self, repeats: int = 3) -> None:
-        """Time target passes of 1 to max_k + 1 tokens, and each model-based proposer's pass
+        """Time target passes of 1 to max_k + 1 tokens (every size up to
+        ``DENSE_CALIBRATION_ROWS``, every fourth beyond it and the widest, the rest
+        interpolated: ``PassCosts.target``), and each model-based proposer's pass
         (``LoadedMethod.calibrate``), once at load, so that
         adaptive k starts from this machine's real costs (refined by every pass served)."""
         max_k = self.speculative_config.max_speculative_tokens
         # A batched step's unmeasured widths take the shape of the cost of as many rows
         # (engine.batch_speculation.StepCosts): beyond one request's k + 1 rows, sizes up to
         # a full batch of plain steps.
-        sizes = list(range(1, max_k + 2))
+        dense = min(max_k + 1, DENSE_CALIBRATION_ROWS)
+        sizes = sorted({*range(1, dense + 1), *range(dense + 4, max_k + 2, 4), max_k + 1})
         batch_rows = self.config.max_num_seqs * (max_k + 1)
         sizes += [n for n in (32, 64, 128) if max_k + 1 < n <= batch_rows]
         sizes = [n for n in sizes if n == 1 or 32 + n <= self.max_context]

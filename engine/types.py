@@ -14,6 +14,11 @@ from typing import Literal
 Method = str
 FinishReason = Literal["stop", "length"]
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+# The most tokens (chain) or nodes (tree) one proposal may hold: the bound of a fixed and of an
+# adaptive k everywhere (engine config, gateway settings, requests, EAGLE's tree sizes).
+MAX_SPECULATIVE_TOKENS = 32
+# The most rows a decode pass feeds one sequence: its last token and a whole proposal.
+MAX_STEP_ROWS = MAX_SPECULATIVE_TOKENS + 1
 # OpenAI's limit on top_logprobs, used for completions' ``logprobs`` too.
 MAX_TOP_LOGPROBS = 20
 

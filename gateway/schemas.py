@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from engine.methods import RegisteredMethod
-from engine.types import MAX_TOP_LOGPROBS, AcceptanceSource, Method
+from engine.types import MAX_SPECULATIVE_TOKENS, MAX_TOP_LOGPROBS, AcceptanceSource, Method
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_CHOICES = 16
@@ -73,7 +73,7 @@ class _Strict(BaseModel):
 
 class SpeculativeRequest(_Strict):
     method: RegisteredMethod
-    num_speculative_tokens: int | None = Field(default=None, ge=1, le=16)
+    num_speculative_tokens: int | None = Field(default=None, ge=1, le=MAX_SPECULATIVE_TOKENS)
 
 
 class StreamOptions(_Strict):

@@ -31,6 +31,7 @@ from pydantic_settings import (
 from engine import methods
 from engine.config import DType, EngineConfig, SpeculativeConfig, speculative_config_from_vllm
 from engine.methods import RegisteredMethod
+from engine.types import MAX_SPECULATIVE_TOKENS
 from gateway.audit.log import APPEND_LOCK_TIMEOUT_S
 from gateway.audit.signing import DEFAULT_ORIGIN
 from gateway.privacy.store import RETENTION_DAYS_DEFAULT
@@ -124,12 +125,15 @@ class Settings(BaseSettings):
         default=None,
         description="Default speculation; None: 'draft' when a draft is loaded, else 'none'.",
     )
-    num_speculative_tokens: int | None = Field(default=None, ge=1, le=16)
+    num_speculative_tokens: int | None = Field(default=None, ge=1, le=MAX_SPECULATIVE_TOKENS)
     speculative_config: str | None = Field(
         default=None, description="vLLM --speculative-config JSON."
     )
     max_speculative_tokens: int = Field(
-        default=16, ge=1, le=16, description="Upper bound of adaptive k."
+        default=MAX_SPECULATIVE_TOKENS,
+        ge=1,
+        le=MAX_SPECULATIVE_TOKENS,
+        description="Upper bound of adaptive k.",
     )
     prompt_lookup_min: int | None = Field(default=None, ge=1)
     prompt_lookup_max: int | None = Field(default=None, ge=1)

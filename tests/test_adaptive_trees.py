@@ -35,6 +35,7 @@ def test_a_trees_expected_tokens_are_its_first_nodes_acceptance() -> None:
 class _TreeProposer:
     method = "eagle"
     proposes_trees = True
+    most_tokens = 16
 
     def propose(self, *_args: object) -> Proposal:
         return Proposal([])
@@ -60,7 +61,7 @@ def test_a_tree_proposal_is_priced_whole_whatever_its_node_count() -> None:
 
 def test_a_chain_proposers_cost_stays_per_token() -> None:
     costs = PassCosts()
-    proposer = type("Chain", (), {"method": "draft"})()
+    proposer = type("Chain", (), {"method": "draft", "proposes_trees": False})()
     record_proposal_cost(costs, proposer, 0.02, 4)
     assert costs.proposer("draft") == pytest.approx(0.005)
     assert Candidate([0.5] * 4, 0.005, 4).overhead(4) == pytest.approx(0.02)

@@ -24,6 +24,7 @@ from engine.config import EngineConfig, SpeculativeConfig, speculative_config_fr
 from engine.model_runner import ModelRunner
 from engine.service import Engine
 from engine.types import (
+    MAX_SPECULATIVE_TOKENS,
     FallbackEvent,
     GenerationRequest,
     GenerationResult,
@@ -192,7 +193,7 @@ def test_invalid_requests_are_refused_before_queueing(engine: Engine) -> None:
     with pytest.raises(InvalidRequestError):
         engine.submit(request([5], engine, SamplingParams(top_p=0.0)))
     with pytest.raises(InvalidRequestError):
-        engine.submit(request([5], engine, GREEDY, "draft", 17))
+        engine.submit(request([5], engine, GREEDY, "draft", MAX_SPECULATIVE_TOKENS + 1))
 
 
 def test_unloaded_method_is_refused(pair: tuple[Path, Path]) -> None:

@@ -10,6 +10,7 @@ target are refused, naming both versions. The engines run under a clock-free cos
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,15 +28,29 @@ from engine.heads.train import (
     HeadsSpec,
     build_data,
     medusa_accuracy,
+    medusa_rank_accuracy,
     medusa_rows,
     split_sequences,
     train_medusa,
 )
 from engine.loading import load_model, load_tokenizer
 from engine.model_runner import ModelRunner
-from engine.proposers.medusa import MedusaProposer
+from engine.proposers.base import Proposer
+from engine.proposers.medusa import (
+    DEFAULT_MEDUSA_TREE,
+    MedusaProposer,
+    check_tree,
+    sparse_tree,
+    tree_expected_tokens,
+)
 from engine.service import Engine
-from engine.types import GenerationRequest, GenerationStats, SamplingParams, SpeculativeChoice
+from engine.types import (
+    MAX_SPECULATIVE_TOKENS,
+    GenerationRequest,
+    GenerationStats,
+    SamplingParams,
+    SpeculativeChoice,
+)
 from engine.versioning import model_version
 from tests.heads_harness import (
     PROMPTS,
@@ -96,7 +111,7 @@ def test_training_is_deterministic(trained: tuple[Path, Path], tmp_path: Path) -
     ).read_bytes()
 
 
-@pytest.mark.parametrize("k", [None, 3, 10])
+@pytest.mark.parametrize("k", [None, 3, 10, MAX_SPECULATIVE_TOKENS])
 def test_greedy_medusa_equals_plain_decoding(
     engine: Engine, k: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -371,11 +386,89 @@ def test_adaptive_k_proposes_the_whole_tree_where_its_rows_cost_nothing(engine: 
     """Every pass costs the same here (``clock_free_costs``) and each node of the tree can
     only add accepted tokens, so adaptive k must propose every node. Modelled as a chain's
     accepted run, k was capped at one node beyond the longest accepted run (at most 5 with 4
-    heads) and a tree's first nodes were credited with the whole tree's acceptance."""
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    heads) and a tree's first nodes were credited with the whole tree's acceptance. (A step
+    proposes at most the tokens left after its own, so the request outlasts the tree.)"""
+    params = SamplingParams(max_tokens=2 * MAX_SPECULATIVE_TOKENS, temperature=0.0, ignore_eos=True)
     prompt = tuple(engine.tokenizer.encode(PROMPTS[0]))
     result = engine.generate(GenerationRequest(prompt, params, SpeculativeChoice("medusa")))
     proposer = engine.new_proposer("medusa")
     assert isinstance(proposer, MedusaProposer)
     assert len(proposer.paths) > 5  # the built-in tree's nodes within the tiny heads' depth
     assert max(result.stats.proposal_lengths) == len(proposer.paths)
+
+
+def test_medusa_rank_accuracy_counts_each_heads_hits_at_each_rank(
+    trained: tuple[Path, Path],
+) -> None:
+    model, data = _tiny_data(trained)
+    heads, _ = train_medusa(model, data, SPEC, model_version(trained[0]), quiet)
+    table = medusa_rank_accuracy(heads, data, 3)
+    rows = medusa_rows(data, SPEC.num_heads)
+    with torch.no_grad():
+        for k in range(SPEC.num_heads):
+            hits = [0, 0, 0]
+            for s, t in medusa_rows(data, SPEC.num_heads):
+                ranked = torch.topk(heads.logits(data.hidden[s, t].clone(), k), 3).indices
+                for r, index in enumerate(heads.to_target(ranked).tolist()):
+                    hits[r] += index == int(data.ids[s, t + 2 + k])
+            assert table[k] == [round(h / len(rows), 4) for h in hits]
+    assert table[0][0] == medusa_accuracy(heads, data)[0] > 0
+
+
+def _trees(paths: list[tuple[int, ...]], size: int) -> Iterator[tuple[tuple[int, ...], ...]]:
+    """Every set of ``size`` paths closed under taking parents, in list order."""
+    for chosen in itertools.combinations(paths, size):
+        if all(len(p) == 1 or p[:-1] in chosen for p in chosen):
+            yield chosen
+
+
+def test_sparse_tree_is_the_best_tree_of_every_size_and_lists_parents_first() -> None:
+    accuracy = [[0.5, 0.2], [0.4, 0.15], [0.3, 0.1]]
+    paths = [p for n in (1, 2, 3) for p in itertools.product(range(2), repeat=n)]
+    tree = sparse_tree(accuracy, 8)
+    check_tree(tree)  # each path after its parent
+    assert tree[:3] == ((0,), (0, 0), (1,))  # 0.5, 0.2 and 0.2: ties keep the lower ranks
+    for size in range(1, 9):
+        best = max(tree_expected_tokens(accuracy, t) for t in _trees(paths, size))
+        assert tree_expected_tokens(accuracy, tree[:size]) == pytest.approx(best, abs=1e-12)
+    assert tree_expected_tokens(accuracy, ((0,), (0, 0))) == pytest.approx(1 + 0.5 + 0.2)
+    start = ((1,), (0,), (1, 1))  # a tree kept as given, then the best nodes around it
+    grown = sparse_tree(accuracy, 6, start)
+    assert grown[:3] == start and len(set(grown)) == 6
+    check_tree(grown)
+    holding = [t for t in _trees(paths, 6) if set(start) <= set(t)]
+    best = max(tree_expected_tokens(accuracy, t) for t in holding)
+    assert tree_expected_tokens(accuracy, grown) == pytest.approx(best, abs=1e-12)
+
+
+def test_the_built_in_tree_holds_more_nodes_than_16_best_first() -> None:
+    check_tree(DEFAULT_MEDUSA_TREE)
+    assert len(DEFAULT_MEDUSA_TREE) == MAX_SPECULATIVE_TOKENS > 16
+
+
+def test_every_proposer_says_in_the_protocol_whether_it_proposes_trees() -> None:
+    """``proposes_trees`` and ``most_tokens`` are ``Proposer`` members every proposer
+    declares (they were looked up beside the protocol, a chain proposer saying nothing)."""
+    from engine.proposers.batched_draft import BatchedDraftProposer
+    from engine.proposers.draft import DraftModelProposer
+    from engine.proposers.ngram import NgramProposer
+    from engine.proposers.translating import TranslatingDraftProposer
+
+    assert {"proposes_trees", "most_tokens"} <= set(Proposer.__annotations__)
+    for chain in (NgramProposer, DraftModelProposer, BatchedDraftProposer,
+                  TranslatingDraftProposer):
+        assert chain.proposes_trees is False and chain.most_tokens is None
+
+
+def test_adaptive_k_of_a_tree_is_bounded_by_its_nodes(trained: tuple[Path, Path]) -> None:
+    """A 6-node tree under the default bound: adaptive k, the engine-wide node counts and
+    the batch's cap stop at 6 nodes, so no step is priced for rows it cannot fill."""
+    tree = [[0], [1], [0, 0], [2], [0, 1], [0, 0, 0]]
+    with heads_engine(*trained, "medusa", {"medusa_tree": tree}) as engine:
+        proposer = engine.new_proposer("medusa")
+        assert proposer.proposes_trees and proposer.most_tokens == 6
+        assert engine.speculative_config.max_speculative_tokens == MAX_SPECULATIVE_TOKENS
+        request = GenerationRequest((1, 2, 3), SamplingParams(max_tokens=8, temperature=0.0))
+        plan = engine._plan(request)
+        assert plan.speculation is not None and plan.speculation.length.max_k == 6
+        assert engine._run_lengths["medusa"].max_k == 6

@@ -52,6 +52,8 @@ class EchoProposer:
     """Proposes the context's last ``span`` tokens again (a deterministic chain)."""
 
     method = "echo"
+    proposes_trees = False
+    most_tokens: int | None = None
 
     def __init__(self, span: int) -> None:
         self.span = span

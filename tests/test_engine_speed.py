@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.fused_projections import fuse_projections
 from engine.packed_linear import PackedLinear, can_pack, onednn_packs
 from engine.service import Engine
-from engine.types import GenerationRequest, SamplingParams
+from engine.types import MAX_STEP_ROWS, GenerationRequest, SamplingParams
 from tests.tiny_models import build_model, build_tokenizer
 
 
@@ -186,4 +186,23 @@ def test_half_precision_steps_attend_in_float32_and_prefill_chunks_as_they_are(
 
     in_float32 = rows <= FLOAT32_ATTENTION_ROWS
     expected = attend(torch.float32 if in_float32 else torch.bfloat16).to(torch.bfloat16)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=0, atol=0)
+
+
+def test_the_widest_verification_pass_attends_in_float32() -> None:
+    """A pass of the longest proposal (``MAX_STEP_ROWS`` rows) attends as a decode row does;
+    at 16 rows at most, a 16-node tree's 17-row pass attended in bfloat16."""
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2  # type: ignore[assignment]
+    module.eval()
+    rows = MAX_STEP_ROWS
+    query = torch.randn(1, 4, rows, 16).to(torch.bfloat16)
+    key, value = (torch.randn(1, 2, 48, 16).to(torch.bfloat16) for _ in range(2))
+    mask = torch.ones(1, 1, rows, 48, dtype=torch.bool)
+    mask[..., 48 - rows :] = torch.ones(rows, rows, dtype=torch.bool).tril()
+    out, _ = cpu_gqa_sdpa_forward(module, query, key, value, mask, scaling=0.25)
+    expected = F.scaled_dot_product_attention(
+        query.float(), key.float(), value.float(), attn_mask=mask, scale=0.25, enable_gqa=True
+    ).to(torch.bfloat16)
     torch.testing.assert_close(out, expected.transpose(1, 2), rtol=0, atol=0)

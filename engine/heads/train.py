@@ -203,6 +203,25 @@ def medusa_accuracy(heads: MedusaHeads, data: Distillation) -> list[float]:
     return shares
 
 
+@torch.no_grad()
+def medusa_rank_accuracy(heads: MedusaHeads, data: Distillation, ranks: int) -> list[list[float]]:
+    """Per head k and rank r < ``ranks``, the share of answer positions (``medusa_rows``)
+    where the head's r-th most likely token is the one the target wrote at t + 2 + k: what a
+    static tree's node of that rank at that depth is accepted at (``sparse_tree``)."""
+    k_heads = heads.config.medusa_num_heads
+    rows = medusa_rows(data, k_heads)
+    seq = torch.tensor([s for s, _ in rows])
+    pos = torch.tensor([t for _, t in rows])
+    table = []
+    for k in range(k_heads):
+        hits = torch.zeros(ranks)
+        for s, p in zip(seq.split(1024), pos.split(1024), strict=True):
+            top = heads.to_target(torch.topk(heads.logits(data.hidden[s, p], k), ranks).indices)
+            hits += (top == data.ids[s, p + 2 + k].unsqueeze(-1)).sum(0)
+        table.append([round(float(h) / max(1, len(rows)), 4) for h in hits])
+    return table
+
+
 def split_sequences(data: Distillation, held_out_share: float) -> tuple[Distillation, Distillation]:
     """``data`` cut into training and held-out sequences: every ``1 / held_out_share``-th
     sequence is held out (the prompts' kinds cycle, so each kind keeps its share)."""

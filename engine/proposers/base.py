@@ -46,6 +46,13 @@ class Proposal:
 
 class Proposer(Protocol):
     method: Method
+    # Drafts trees whose node count is its k and whose cost is one whole proposal's (Medusa's
+    # heads, EAGLE's levels): adaptive k then models each node's acceptance (``NodeHits``) and
+    # prices a proposal whole (``PassCosts.record_proposal``); False for chains, priced per token.
+    proposes_trees: bool
+    # The most tokens one proposal holds whatever k asks (a static tree's nodes, EAGLE's
+    # ``num_draft_tokens``), so adaptive k never prices nodes it cannot propose; None: k's.
+    most_tokens: int | None
 
     def start(self, prompt_ids: list[int]) -> None:
         """A new request begins with this prompt."""

@@ -141,6 +141,8 @@ class BatchedDraftProposer:
     """One request's place in a ``BatchedDraft``: a draft cache slot and what it holds."""
 
     method: Method = "draft"
+    proposes_trees = False
+    most_tokens: int | None = None
 
     def __init__(self, drafts: BatchedDraft) -> None:
         self.drafts = drafts

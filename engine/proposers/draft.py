@@ -158,6 +158,8 @@ def agreeing_prefix(cached: list[int], agreed: int, context: list[int]) -> int:
 
 class DraftModelProposer:
     method: Method = "draft"
+    proposes_trees = False
+    most_tokens: int | None = None
 
     def __init__(
         self,

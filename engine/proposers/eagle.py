@@ -33,7 +33,7 @@ from engine.heads.loading import eagle_for, load_heads_method
 from engine.logits_processors import LogitsProcessing
 from engine.methods import ArtefactSpec, LoadContext, LoadedMethod, MethodSpec, register
 from engine.proposers.base import Proposal
-from engine.types import Method, SamplingParams
+from engine.types import MAX_SPECULATIVE_TOKENS, Method, SamplingParams
 
 # Given the frontier's node ids and the tree so far (tokens, parents), the log-probabilities
 # ``[len(frontier), draft vocabulary]`` of each frontier node's children.
@@ -167,7 +167,7 @@ class TreeDepth:
 class EagleProposer:
     method: Method = "eagle"
     wants_hidden = True
-    proposes_trees = True  # k is its node count; priced per proposal (engine.decoding)
+    proposes_trees = True
 
     def __init__(
         self,
@@ -185,6 +185,7 @@ class EagleProposer:
             tree = EagleTree(tree.num_steps, 1, tree.num_draft_tokens)
         self.draft = draft
         self.tree = tree
+        self.most_tokens: int | None = tree.num_draft_tokens
         self._depth = None if costs is None else TreeDepth(costs, self.method)
         self._cache = EagleCache()
         self._fed = 0  # committed positions in the draft's cache
@@ -308,17 +309,18 @@ class EagleOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_steps: int = Field(
-        default=5, ge=1, le=16, description="EAGLE-2: depth levels the draft tree grows "
-        "(SGLang's speculative_num_steps)."
+        default=5, ge=1, le=MAX_SPECULATIVE_TOKENS,
+        description="EAGLE-2: depth levels the draft tree grows (SGLang's "
+        "speculative_num_steps)."
     )  # fmt: skip
     eagle_topk: int = Field(
         default=8, ge=1, le=16, description="EAGLE-2: children per expanded node, and nodes "
         "expanded per level (SGLang's speculative_eagle_topk)."
     )  # fmt: skip
     num_draft_tokens: int = Field(
-        default=16, ge=1, le=16, description="EAGLE-2: nodes kept after re-ranking by "
-        "cumulative draft probability (SGLang's speculative_num_draft_tokens); k, fixed or "
-        "adaptive, bounds it further."
+        default=16, ge=1, le=MAX_SPECULATIVE_TOKENS,
+        description="EAGLE-2: nodes kept after re-ranking by cumulative draft probability "
+        "(SGLang's speculative_num_draft_tokens); k, fixed or adaptive, bounds it further."
     )  # fmt: skip
 
     def tree(self) -> EagleTree:

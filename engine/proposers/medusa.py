@@ -14,6 +14,9 @@ speculative configuration, ``medusa_tree`` (``MedusaOptions``).
 
 from __future__ import annotations
 
+import heapq
+import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -27,10 +30,15 @@ from engine.methods import ArtefactSpec, LoadContext, LoadedMethod, MethodSpec, 
 from engine.proposers.base import Proposal
 from engine.types import Method, SamplingParams
 
-# Ordered roughly by how often such a node is accepted (head 0's top ranks first).
+# Ordered roughly by how often such a node is accepted (head 0's top ranks first): the first
+# 16 nodes are the tree of stop 28 (within 1 % of the best 16-node tree its heads' measured
+# rank accuracies choose), the next 16 ``sparse_tree``'s extension of it to 32 nodes under
+# those accuracies (docs/engine.md, "Medusa trees above 16 nodes"); adaptive k takes a prefix.
 DEFAULT_MEDUSA_TREE: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (0, 0), (2,), (0, 1), (1, 0), (0, 0, 0), (3,), (0, 2), (0, 0, 1),
     (2, 0), (1, 1), (0, 0, 0, 0), (0, 1, 0), (4,), (0, 0, 0, 1),
+    (5,), (0, 3), (3, 0), (0, 4), (1, 0, 0), (4, 0), (0, 5), (5, 0), (0, 0, 2), (0, 2, 0),
+    (2, 0, 0), (0, 0, 3), (0, 3, 0), (3, 0, 0), (1, 2), (2, 1),
 )
 
 
@@ -46,10 +54,47 @@ def check_tree(paths: tuple[tuple[int, ...], ...]) -> None:
         seen.add(path)
 
 
+def sparse_tree(
+    rank_accuracy: Sequence[Sequence[float]],
+    nodes: int,
+    start: Sequence[tuple[int, ...]] = (),
+) -> tuple[tuple[int, ...], ...]:
+    """Medusa's sparse tree: ``start`` (a tree, kept as it is), then the paths of ranks with
+    the highest expected acceptance until there are ``nodes``, best first, where a path's is
+    the product of its ranks' accuracies (``rank_accuracy[d][r]``: head d's rank r,
+    ``engine.heads.train.medusa_rank_accuracy``), the heads taken as independent. A path is
+    worth at most its parent, so the paths come after their parents, and from ``start`` on
+    every prefix of the list is the best tree of its size that holds ``start``."""
+    chosen = list(start)
+    frontier: list[tuple[float, tuple[int, ...]]] = []
+    for parent in [(), *chosen]:
+        if len(parent) < len(rank_accuracy):
+            value = math.prod(rank_accuracy[d][r] for d, r in enumerate(parent))
+            for r, accuracy in enumerate(rank_accuracy[len(parent)]):
+                if (*parent, r) not in chosen:
+                    frontier.append((-value * accuracy, (*parent, r)))
+    heapq.heapify(frontier)
+    while frontier and len(chosen) < nodes:
+        value, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < len(rank_accuracy):
+            for r, accuracy in enumerate(rank_accuracy[len(path)]):
+                heapq.heappush(frontier, (value * accuracy, (*path, r)))
+    return tuple(chosen)
+
+
+def tree_expected_tokens(
+    rank_accuracy: Sequence[Sequence[float]], paths: Sequence[tuple[int, ...]]
+) -> float:
+    """Tokens a step with the tree ``paths`` commits on average under ``sparse_tree``'s
+    model: the one the target always adds, and each node's chance of being accepted."""
+    return 1.0 + sum(math.prod(rank_accuracy[d][r] for d, r in enumerate(p)) for p in paths)
+
+
 class MedusaProposer:
     method: Method = "medusa"
     wants_hidden = True
-    proposes_trees = True  # k is its node count; priced per proposal (engine.decoding)
+    proposes_trees = True
 
     def __init__(
         self,
@@ -66,6 +111,7 @@ class MedusaProposer:
             paths = [p for p in paths if all(rank == 0 for rank in p)]
         self.heads = heads
         self.paths = tuple(paths)
+        self.most_tokens: int | None = len(self.paths)
         self._hidden: torch.Tensor | None = None
 
     def start(self, prompt_ids: list[int]) -> None:

@@ -38,6 +38,8 @@ def lookup(context: list[int], k: int, min_n: int, max_n: int) -> list[int]:
 
 class NgramProposer:
     method: Method = "ngram"
+    proposes_trees = False
+    most_tokens: int | None = None
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n

@@ -46,6 +46,8 @@ def _text(tokenizer: PreTrainedTokenizerBase, ids: list[int], **kwargs: bool) ->
 
 class TranslatingDraftProposer:
     method: Method = "draft"
+    proposes_trees = False
+    most_tokens: int | None = None
 
     def __init__(
         self,
