@@ -11,6 +11,10 @@ unpacked weights for long ones.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -128,3 +132,33 @@ def test_switched_off_the_layers_keep_onednn(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.delenv("SPECGATE_SMALL_GEMM")
         small_gemm._built.cache_clear()
     assert small_gemm.available()
+
+
+def test_a_process_forked_after_a_split_product_runs_its_own() -> None:
+    """fork copies only the calling thread: a child that found the parent's helper marked as
+    started would hand it half a product and wait for ever (a gateway or test forked after
+    the engine loaded)."""
+    torch.manual_seed(4)
+    weight = torch.randn(600, 520)
+    packed = small_gemm.pack(weight)
+    input = torch.randn(4, 520)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = small_gemm.product(input, packed, 600, None)  # starts the helper
+        pid = os.fork()
+        if pid == 0:  # the child: one split product, then out without Python's teardown
+            got = small_gemm.product(input, packed, 600, None)
+            os._exit(0 if got is not None and torch.equal(got, expected) else 1)
+    finally:
+        torch.set_num_threads(before)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's split product never finished")

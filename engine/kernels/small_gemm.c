@@ -125,6 +125,16 @@ static void *helper(void *unused) {
     return 0;
 }
 
+/* A child forked after the helper started has no helper (fork copies the calling thread
+ * only): it starts its own at its first split product, with the locks as new. */
+static void forget_helper(void) {
+    pthread_mutex_init(&lock, 0);
+    pthread_mutex_init(&caller, 0);
+    pthread_cond_init(&wake, 0);
+    pthread_cond_init(&done, 0);
+    pending = started = 0;
+}
+
 /* Where the helper cannot be started, the calling thread runs the whole product. */
 void specgate_small_gemm(const float *x, int64_t x_stride, int64_t rows, int64_t depth,
                         const float *weight, const float *bias, float *out,
@@ -138,8 +148,11 @@ void specgate_small_gemm(const float *x, int64_t x_stride, int64_t rows, int64_t
     pthread_mutex_lock(&caller);
     pthread_mutex_lock(&lock);
     if (!started) {
+        static int registered;
+        if (!registered && pthread_atfork(0, 0, forget_helper) == 0)
+            registered = 1;
         pthread_t thread;
-        if (pthread_create(&thread, 0, helper, 0) != 0) {
+        if (!registered || pthread_create(&thread, 0, helper, 0) != 0) {
             pthread_mutex_unlock(&lock);
             pthread_mutex_unlock(&caller);
             panels(&p, 0, count);
