@@ -188,19 +188,7 @@ def medusa_accuracy(heads: MedusaHeads, data: Distillation) -> list[float]:
     """Per head k, the share of answer positions t (``medusa_rows``) where the head's most
     likely token is the one the target wrote at t + 2 + k: its top-1 acceptance under greedy
     speculation, measured on ``data`` (held-out answers, for a fair figure)."""
-    k_heads = heads.config.medusa_num_heads
-    rows = medusa_rows(data, k_heads)
-    seq = torch.tensor([s for s, _ in rows])
-    pos = torch.tensor([t for _, t in rows])
-    shares = []
-    for k in range(k_heads):
-        written = data.ids[seq, pos + 2 + k]
-        hits = sum(
-            int((heads.to_target(heads.logits(data.hidden[s, p], k).argmax(-1)) == w).sum())
-            for s, p, w in zip(seq.split(1024), pos.split(1024), written.split(1024), strict=True)
-        )
-        shares.append(round(hits / max(1, len(rows)), 4))
-    return shares
+    return [ranks[0] for ranks in medusa_rank_accuracy(heads, data, 1)]
 
 
 @torch.no_grad()
