@@ -408,6 +408,9 @@ class SpeculationLength:
         else:
             self.runs = NodeHits(max_k) if trees else RunLengths(max_k)
         self.explore_from = 0  # after a fully accepted step: its k
+        # How far the proposer expects to be right from the committed sequence
+        # (``RunHinting``), which the reach takes as evidence beside the runs seen.
+        self.hinted_reach = 0
         self.plain_run = 0  # plain steps chosen in a row
         self.plain_steps = 0  # plain steps chosen in all (probes not counted)
 
@@ -448,10 +451,13 @@ class SpeculationLength:
         half made a method's first steps propose 16 tokens on text where it is rarely right;
         the reach grows one token per fully accepted step (``explore_from``) as runs show.
         A tree's nodes are not a run: its unseen nodes take the estimate of the node before
-        (``NodeHits.rates``), so it may propose every node."""
+        (``NodeHits.rates``), so it may propose every node. A proposer that can tell how long
+        it expects to stay right (``hinted_reach``: n-gram lookup's copy in progress) lets the
+        reach start there: an answer quoting a paragraph would otherwise need a step per token
+        of reach to propose the rest of it."""
         if isinstance(self.runs, NodeHits):
             return self.max_k
-        return self.runs.longest + 1
+        return max(self.runs.longest + 1, self.hinted_reach)
 
     def choose(self) -> int:
         """k for this request's next step, served alone."""

@@ -9,7 +9,7 @@ positions and no mask (they are the causal defaults), so it costs what it always
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from engine.adaptive import PassCosts, SpeculationLength
 from engine.logits_processors import LogitsProcessing, proposal_paths
 from engine.model_runner import ModelRunner
-from engine.proposers.base import Proposal, Proposer
+from engine.proposers.base import Proposal, Proposer, RunHinting
 from engine.sampling import TreeVerdict, probabilities, verify_tree_greedy, verify_tree_sampled
 from engine.tree import ancestor_mask, depths
 from engine.types import GenerationStats, SamplingParams
@@ -41,6 +41,22 @@ class Speculation:
         if self.schedule is not None:
             return self.schedule[step] if step < len(self.schedule) else 0
         return self.fixed_k if self.fixed_k is not None else self.length.choose()
+
+    def begin(self, context: list[int]) -> None:
+        """The request starts decoding after ``context`` (its prompt)."""
+        self.proposer.start(context)
+        self._hint(context)
+
+    def committed(self, context: list[int], proposed: int, path: Sequence[int]) -> None:
+        """A step that proposed ``proposed`` nodes accepted those at ``path``; the committed
+        sequence is now ``context``."""
+        self.proposer.accepted(context)
+        self.length.record(proposed, len(path), path)
+        self._hint(context)
+
+    def _hint(self, context: list[int]) -> None:
+        if isinstance(self.proposer, RunHinting):
+            self.length.hinted_reach = self.proposer.expected_run(context)
 
 
 def record_proposal_cost(costs: PassCosts, proposer: Proposer, seconds: float, tokens: int) -> None:
@@ -89,8 +105,8 @@ def decode(
     context = list(prompt)
     proposer = speculation.proposer if speculation is not None else None
     wants_hidden = proposer is not None and getattr(proposer, "wants_hidden", False)
-    if proposer is not None:
-        proposer.start(context)
+    if speculation is not None and proposer is not None:
+        speculation.begin(context)
         if wants_hidden and prompt_hidden is not None:
             proposer.observe_hidden(prompt_hidden)  # type: ignore[attr-defined]
     remaining = params.max_tokens
@@ -141,8 +157,7 @@ def decode(
         if proposer is not None and speculation is not None:
             if hidden is not None:
                 proposer.observe_hidden(hidden[[0, *(i + 1 for i in path)]])  # type: ignore[attr-defined]
-            proposer.accepted(context)
-            speculation.length.record(len(proposal.tokens), len(path), path)
+            speculation.committed(context, len(proposal.tokens), path)
         remaining -= len(new_tokens)
         yield new_tokens
 

@@ -243,7 +243,7 @@ class BatchScheduler:
             seq.span.end()
         seq.span = _tracer.start_span("specgate.decode", context=seq.handle.otel_context)
         if seq.speculation is not None:
-            seq.speculation.proposer.start(list(seq.context))
+            seq.speculation.begin(list(seq.context))
             observe = seq.hidden_observer
             if observe is not None and seq.prompt_hidden:  # as the one-request loop does
                 observe(torch.cat(seq.prompt_hidden))
@@ -295,10 +295,7 @@ class BatchScheduler:
             stats.record_step(len(proposal.tokens), len(verdict.path))
             stats.proposal_lengths.append(len(proposal.tokens))
             if seq.speculation is not None:
-                seq.speculation.proposer.accepted(seq.context)
-                seq.speculation.length.record(
-                    len(proposal.tokens), len(verdict.path), verdict.path
-                )
+                seq.speculation.committed(seq.context, len(proposal.tokens), verdict.path)
             seq.remaining -= len(new_tokens)
             self._deliver(seq, new_tokens)
 

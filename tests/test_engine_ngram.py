@@ -1,9 +1,13 @@
-"""Prompt lookup: which match is used, and how the continuation is copied."""
+"""Prompt lookup: which match is used, how the continuation is copied, and how far adaptive k
+may look from the copy in progress."""
 
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.proposers.ngram import lookup
+from engine.adaptive import PassCosts, SpeculationLength
+from engine.decoding import Speculation
+from engine.proposers.ngram import ALIGNMENT_CAP, NgramProposer, find_match, lookup
 
 
 def test_longest_suffix_ngram_wins_over_a_later_shorter_match() -> None:
@@ -11,8 +15,18 @@ def test_longest_suffix_ngram_wins_over_a_later_shorter_match() -> None:
     assert lookup(context, 2, 1, 3) == [7, 9]
 
 
-def test_most_recent_match_of_the_same_length_is_used() -> None:
+def test_most_recent_match_of_the_same_length_and_alignment_is_used() -> None:
     assert lookup([5, 1, 5, 2, 5], 1, 1, 1) == [2]
+
+
+def test_the_match_whose_text_before_agrees_longest_wins_over_a_later_one() -> None:
+    """An answer quoting a text: its last token also occurs in the answer's own earlier line
+    (followed by 20), but the quoted source agrees for three tokens back (followed by 14)."""
+    source = [10, 11, 12, 13, 14, 15]
+    context = [*source, 99, 13, 20, 7, 11, 12, 13]
+    assert lookup(context, 2, 1, 1) == [14, 15]
+    match = find_match(context, 1, 1)
+    assert match is not None and (match.start, match.aligned) == (4, 3)
 
 
 def test_continuation_overlapping_the_end_repeats_the_period() -> None:
@@ -55,7 +69,43 @@ def test_proposal_is_a_copy_of_what_followed_an_earlier_match(
         assert proposal == []
         return
     n = max(matched)
-    m = earlier_starts(n)[-1]
+
+    def aligned(m: int) -> int:  # tokens before m + n that equal the context's last ones
+        count = 0
+        while (
+            count < min(ALIGNMENT_CAP, size - 1)
+            and m + n - 1 - count >= 0
+            and context[m + n - 1 - count] == context[size - 1 - count]
+        ):
+            count += 1
+        return count
+
+    m = max(earlier_starts(n), key=lambda start: (aligned(start), start))
     extended = context + proposal
     assert len(proposal) == k
     assert all(extended[m + n + i] == proposal[i] for i in range(k))
+    match = find_match(context, min_n, max_n)
+    assert match is not None and (match.start, match.aligned) == (m + n, aligned(m))
+
+
+def test_the_reach_starts_at_the_copy_in_progress() -> None:
+    """Before any accepted run, adaptive k may look one token ahead; once the committed text
+    copies an earlier passage for 12 tokens, the n-gram proposer's copy sets the reach to 12
+    at once (the engine-wide runs would take a fully accepted step per token)."""
+    proposer = NgramProposer(1, 4)
+    length = SpeculationLength(32, 0.5, PassCosts(), "ngram")
+    speculation = Speculation(proposer, None, length)
+    passage = list(range(100, 140))
+    speculation.begin([*passage, 1, 2, 3])
+    assert length.reach == 1  # no copy: nothing agrees before the last tokens
+    speculation.committed([*passage, 1, 2, 3, *passage[:12]], 0, ())
+    assert length.reach == 12 and length.candidate().cap == 12
+    assert lookup([*passage, 1, 2, 3, *passage[:12]], 12, 1, 4) == passage[12:24]
+
+
+def test_a_long_context_compares_only_the_latest_candidates() -> None:
+    """A one-token n-gram that occurs thousands of times is matched in bounded work."""
+    context = torch.randint(0, 4, (20_000,), generator=torch.Generator().manual_seed(0)).tolist()
+    match = find_match(context, 1, 1)
+    assert match is not None and context[match.start - 1] == context[-1]
+    assert match.start >= 20_000 - 1 - 4 * 256  # among the latest hits

@@ -76,6 +76,16 @@ class Proposer(Protocol):
 
 
 @runtime_checkable
+class RunHinting(Protocol):
+    """A proposer that can tell from the committed sequence how many tokens it expects to get
+    right from there (n-gram lookup: the length of the copy in progress), so that adaptive k
+    may look that far ahead before a run of that length has been seen."""
+
+    def expected_run(self, context: list[int]) -> int:
+        """Tokens the proposer expects to get right after ``context``; 0 for no evidence."""
+
+
+@runtime_checkable
 class ShapeAdapting(Protocol):
     """A proposer whose proposals' shape follows measured costs, which depend on timing and on
     the other requests (EAGLE-2's cost-bounded tree depth)."""
