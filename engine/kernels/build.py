@@ -130,6 +130,26 @@ def load(source_name: str) -> Built:
         return _load_prebuilt(source_name, f"could not build {source_name}: {error}")
 
 
+def load_function(
+    source_name: str,
+    symbol: str,
+    restype: type | None,
+    argtypes: list[type],
+    switch: tuple[str, str],
+) -> Built:
+    """``load(source_name)`` with its function ``symbol`` typed, unless the environment
+    variable ``switch[0]`` is set to ``switch[1]`` (the caller's fallback, chosen by hand)."""
+    variable, fallback = switch
+    if os.environ.get(variable) == fallback:
+        return Built(None, f"switched off ({variable}={fallback})")
+    built = load(source_name)
+    if built.library is not None:
+        function = getattr(built.library, symbol)
+        function.restype = restype
+        function.argtypes = argtypes
+    return built
+
+
 def prebuild() -> list[Path]:
     """The portable build of every kernel source, into ``PREBUILT_DIR`` (image build time)."""
     cc = compiler()

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 
 import torch
 
-from engine.kernels.build import Built, load
+from engine.kernels.build import Built, load_function
 
 log = logging.getLogger(__name__)
 
@@ -35,23 +34,23 @@ _switched_off = False
 
 @cache
 def _built() -> Built:
-    if os.environ.get("SPECGATE_DECODE_ATTENTION", "kernel") == "sdpa":
-        built = Built(None, "switched off (SPECGATE_DECODE_ATTENTION=sdpa)")
-    else:
-        built = load("decode_attention.c")
+    built = load_function(
+        "decode_attention.c",
+        "specgate_attend",
+        ctypes.c_int,
+        [
+            _PTR, _I64, _I64, _I64,  # query and its batch, head, row strides
+            _PTR, _PTR, _I64, _I64, _I64,  # keys, values, batch, head, position strides
+            _PTR, _PTR,  # offsets, lengths
+            _PTR, _I64, _I64,  # mask and its batch, row strides
+            _PTR,  # out
+            _I64, _I64, _I64, _I64, _I64,  # batch, heads, kv heads, rows, dim
+            ctypes.c_float,  # scale
+        ],
+        ("SPECGATE_DECODE_ATTENTION", "sdpa"),
+    )
     if built.library is None:
         log.warning("decode attention: PyTorch SDPA per sequence (%s)", built.detail)
-        return built
-    function = built.library.specgate_attend
-    function.restype = ctypes.c_int
-    function.argtypes = [
-        _PTR, _I64, _I64, _I64,  # query and its batch, head, row strides
-        _PTR, _PTR, _I64, _I64, _I64,  # keys, values, batch, head, position strides
-        _PTR, _PTR,  # offsets, lengths
-        _PTR, _I64, _I64,  # mask and its batch, row strides
-        _PTR,  # out
-        _I64, _I64, _I64, _I64, _I64, ctypes.c_float,  # batch, heads, kv heads, rows, dim, scale
-    ]
     return built
 
 

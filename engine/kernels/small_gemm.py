@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 
 import torch
 
-from engine.kernels.build import Built, load
+from engine.kernels.build import Built, load_function
 
 log = logging.getLogger(__name__)
 
@@ -35,21 +34,20 @@ _PTR = ctypes.c_void_p
 
 @cache
 def _built() -> Built:
-    if os.environ.get("SPECGATE_SMALL_GEMM", "kernel") == "onednn":
-        built = Built(None, "switched off (SPECGATE_SMALL_GEMM=onednn)")
-    else:
-        built = load("small_gemm.c")
+    built = load_function(
+        "small_gemm.c",
+        "specgate_small_gemm",
+        None,
+        [
+            _PTR, _I64, _I64, _I64,  # input, its row stride, rows, in_features
+            _PTR, _PTR,  # packed weight, bias (or NULL)
+            _PTR, _I64, _I64,  # out, its row stride, out_features
+            _I64,  # threads
+        ],
+        ("SPECGATE_SMALL_GEMM", "onednn"),
+    )
     if built.library is None:
         log.warning("small products: oneDNN packed weights (%s)", built.detail)
-        return built
-    function = built.library.specgate_small_gemm
-    function.restype = None
-    function.argtypes = [
-        _PTR, _I64, _I64, _I64,  # input, its row stride, rows, in_features
-        _PTR, _PTR,  # packed weight, bias (or NULL)
-        _PTR, _I64, _I64,  # out, its row stride, out_features
-        _I64,  # threads
-    ]
     return built
 
 
