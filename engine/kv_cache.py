@@ -13,11 +13,12 @@ appended since the last crop, so a crop can drop rejected positions even past th
 each crop shrinks them back to what the next pass needs. A linear-attention layer's
 recurrent state is one matrix that every token updates and nothing can crop; for those the
 runner snapshots it before each pass (``save_recurrent_states``) and, on rollback, restores
-the snapshot and feeds the accepted tokens again (``engine.model_runner``).
+the snapshot (``crop_to_snapshot``) and feeds the accepted tokens again (``engine.model_runner``).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -100,6 +101,14 @@ class GrowableLayer(DynamicLayer):
         self._keys = self._values = torch.empty(0)
 
 
+# transformers 5.25 keeps a history of recurrent states for crop (``recurrent_states_to_keep``,
+# and a crop that takes the state it rolls back to from that history); earlier releases
+# leave recurrent states to the caller.
+_KEEPS_RECURRENT_HISTORY = "recurrent_states_to_keep" in inspect.signature(
+    LinearAttentionCacheLayerMixin.activate_past_recording
+).parameters
+
+
 def new_cache(config: PretrainedConfig) -> DynamicCache:
     """The model's own cache layout, with every plain full-attention layer made growable and
     every other layer recording its past, so that all of them can roll back."""
@@ -109,7 +118,12 @@ def new_cache(config: PretrainedConfig) -> DynamicCache:
     cache.layers = [
         GrowableLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers
     ]
-    cache.activate_past_recording()
+    if _KEEPS_RECURRENT_HISTORY:
+        # The runner snapshots recurrent states once per pass; per-token history would make
+        # transformers run each pass's last tokens one by one (its sequential scan).
+        cache.activate_past_recording(recurrent_states_to_keep=0)
+    else:
+        cache.activate_past_recording()
     return cache
 
 
@@ -147,7 +161,24 @@ def save_recurrent_states(cache: DynamicCache) -> RecurrentStates:
     ]
 
 
-def restore_recurrent_states(cache: DynamicCache, saved: RecurrentStates) -> None:
+def crop_to_snapshot(cache: DynamicCache, tokens: int, saved: RecurrentStates) -> None:
+    """Drop the last ``tokens`` positions of a cache with recurrent layers and put back the
+    recurrent states saved (``save_recurrent_states``) where the cache then ends.
+
+    Since transformers 5.25 a crop also moves each recurrent state to an entry of the layer's
+    own history, one entry per position; the runner records none (``new_cache``), so that
+    history is filled with the current states first and the crop leaves them where they are.
+    """
+    if _KEEPS_RECURRENT_HISTORY:
+        for layer in _recurrent_layers(cache):
+            layer.recurrent_states_history = {
+                index: [state] * tokens for index, state in layer.recurrent_states.items()
+            }
+    cache.crop(-tokens)
+    _restore_recurrent_states(cache, saved)
+
+
+def _restore_recurrent_states(cache: DynamicCache, saved: RecurrentStates) -> None:
     """Put back states from ``save_recurrent_states`` (in place: transformers keeps their
     addresses static)."""
     for layer, states in zip(_recurrent_layers(cache), saved, strict=True):

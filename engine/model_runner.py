@@ -22,9 +22,9 @@ from transformers import PreTrainedModel
 from engine.kv_cache import (
     GrowableLayer,
     RecurrentStates,
+    crop_to_snapshot,
     has_recurrent_state,
     new_cache,
-    restore_recurrent_states,
     save_recurrent_states,
     supports_trees,
 )
@@ -73,8 +73,7 @@ class ModelRunner:
         if start == 0:
             self.cache = new_cache(self.model.config)
         else:
-            self.cache.crop(-(self.length - start))
-            restore_recurrent_states(self.cache, states)
+            crop_to_snapshot(self.cache, self.length - start, states)
         self._length = start
         if length > start:
             self._run(tokens[: length - start], last_only=True)
