@@ -412,11 +412,21 @@ def test_sigterm_ends_streams_after_the_grace_period_and_records_the_shutdown(
     with fresh_database() as (_, url):
         upgrade_database(url)
         port = free_port()
-        process = _serve(models, tmp_path / "data", url, port, SPECGATE_SHUTDOWN_GRACE_S="1")
+        # One sequence at a time, none ending early: the eight streams need far longer than
+        # the grace period whatever the machine's speed, so some are cut (on a fast machine,
+        # eight batched 400-token streams had all finished within the second).
+        process = _serve(
+            models,
+            tmp_path / "data",
+            url,
+            port,
+            SPECGATE_SHUTDOWN_GRACE_S="1",
+            SPECGATE_MAX_NUM_SEQS="1",
+        )
         try:
             _wait_ready(port, process)
             headers = {"authorization": f"Bearer {_app_key(url, tmp_path / 'data')}"}
-            body = {**LONG, "max_tokens": 400}
+            body = {**LONG, "max_tokens": 400, "min_tokens": 400}
             streams = [Stream(f"http://127.0.0.1:{port}", headers, body) for _ in range(8)]
             assert streams[0].first_chunk.wait(60)
             wait_until(lambda: all(s.audit_id for s in streams), 30, "every request event")
