@@ -368,11 +368,14 @@ def test_kill_9_then_restart_marks_the_interrupted_requests(
     with fresh_database() as (_, url):
         upgrade_database(url)
         port = free_port()
-        process = _serve(models, tmp_path / "data", url, port)
+        # One sequence at a time, none ending early: some are still queued at the kill on
+        # any machine.
+        process = _serve(models, tmp_path / "data", url, port, SPECGATE_MAX_NUM_SEQS="1")
         try:
             _wait_ready(port, process)
             headers = {"authorization": f"Bearer {_app_key(url, tmp_path / 'data')}"}
-            streams = [Stream(f"http://127.0.0.1:{port}", headers, LONG) for _ in range(6)]
+            body = {**LONG, "min_tokens": LONG["max_tokens"]}
+            streams = [Stream(f"http://127.0.0.1:{port}", headers, body) for _ in range(6)]
             assert streams[0].first_chunk.wait(60)
             wait_until(lambda: all(s.audit_id for s in streams), 30, "every request event")
             process.kill()
