@@ -154,6 +154,15 @@ class EngineConfig(BaseModel):
         "runs after the step's decode pass, so a short request arriving behind it waits at "
         "most one such chunk for its first token.",
     )
+    max_prefill_chunk_seconds: float | None = Field(
+        default=0.25,
+        gt=0,
+        description="Most seconds one prefill chunk pass should take: a chunk is cut below "
+        "long_prefill_token_threshold where the measured cost per prompt token would make "
+        "it take longer, so a request arriving behind a long prompt waits about this long "
+        "for the chunk in flight on any machine (at least 16 tokens a chunk). None: chunks "
+        "are bounded in tokens only.",
+    )
     batch_invariant: bool = Field(
         default=False,
         description="Run each sequence of a batched step in a pass of its own (target and "

@@ -6,7 +6,9 @@ Each iteration of ``BatchScheduler.run``:
    its own, up to it, ``engine.batched_cache``);
 2. prefills the prompts that this step finishes, the shortest remainder first, within what
    the step's token budget (``max_num_batched_tokens``) leaves after the decoding sequences'
-   rows, one chunk of at most ``long_prefill_token_threshold`` tokens per prompt;
+   rows, one chunk of at most ``long_prefill_token_threshold`` tokens per prompt, fewer where
+   the measured cost per prompt token would make its pass overrun
+   ``max_prefill_chunk_seconds`` (``engine.prefill_pace``);
 3. runs one decode step over every sequence whose prompt is cached: each brings its own
    proposal, its length chosen for the batch from every sequence's acceptance and the
    measured step costs at this batch size (``engine.batch_speculation``), so speculation
@@ -40,6 +42,7 @@ from engine.decoding import Speculation, record_proposal_cost
 from engine.logits_processors import LogitsProcessing
 from engine.logprobs import LogprobRecorder
 from engine.output import OutputAssembler
+from engine.prefill_pace import PrefillPace
 from engine.proposers.base import Proposal
 from engine.proposers.batched_draft import BatchedDraft, BatchedDraftProposer, DraftRequest
 from engine.step import StepRow, run_step
@@ -112,6 +115,9 @@ class BatchLimits:
     # Prompt chunks at fixed boundaries (multiples of the threshold), never cut to what the
     # step's budget leaves, so a prompt's prefill passes do not depend on the batch.
     batch_invariant: bool = False
+    # Most seconds one chunk pass should take, at the measured cost per prompt token
+    # (``engine.prefill_pace``); None: chunks are bounded in tokens only.
+    max_prefill_chunk_seconds: float | None = None
 
 
 class BatchScheduler:
@@ -129,6 +135,7 @@ class BatchScheduler:
         self.costs = costs
         self.steps = steps
         self.proposal_lengths = BatchSpeculation(steps)
+        self.pace = PrefillPace(limits.max_prefill_chunk_seconds, costs)
         self._admit = admit
         self._finish = finish
         self.running: list[ActiveSequence] = []
@@ -207,6 +214,10 @@ class BatchScheduler:
         ``finishing`` only chunks that finish their prompt (those run before the decode pass).
         Returns the budget left."""
         pending = sorted(self.running, key=lambda seq: seq.prefill_target - seq.prefilled)
+        threshold = self.limits.long_prefill_token_threshold
+        # Batch-invariant chunks keep their fixed boundaries: a bound in time would make them
+        # depend on how fast the machine ran.
+        most = threshold if self.limits.batch_invariant else self.pace.limit(threshold)
         spent = False
         for seq in pending:
             if budget <= 0:
@@ -217,9 +228,9 @@ class BatchScheduler:
                 seq.done = True
                 continue
             left = seq.prefill_target - seq.prefilled
-            chunk = min(left, budget, self.limits.long_prefill_token_threshold)
+            chunk = min(left, budget, most)
             if self.limits.batch_invariant and chunk < left:
-                whole = min(left, self.limits.long_prefill_token_threshold)
+                whole = min(left, threshold)
                 if chunk < whole and spent:
                     break  # the whole chunk waits for a step with room for it
                 chunk = whole  # the first chunk of a step runs whole: prefill always advances
@@ -227,11 +238,15 @@ class BatchScheduler:
                 break  # every prompt after this one has at least as much left
             end = seq.prefilled + chunk
             feed = Feed(seq.slot, seq.context[seq.prefilled : end])
+            started = time.perf_counter()
             if seq.wants_hidden:
                 hidden = self.runner.forward_hidden([feed])[1][0]
                 seq.prompt_hidden = [*(seq.prompt_hidden or []), hidden]
             else:
                 self.runner.forward([feed], last_only=True)
+            if self.runner.device.type == "cuda":  # the pass's time, not its launch's
+                torch.cuda.synchronize(self.runner.device)
+            self.pace.record(chunk, time.perf_counter() - started)
             budget -= chunk
             spent = True
             seq.prefilled = end

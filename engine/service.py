@@ -354,6 +354,7 @@ class Engine:
                 self.config.max_kv_tokens,
                 self.config.long_prefill_token_threshold,
                 self.config.batch_invariant,
+                self.config.max_prefill_chunk_seconds,
             )
             self._scheduler = BatchScheduler(
                 self._batched, limits, self._costs, self._step_costs, self._admit, self._finish

@@ -46,6 +46,13 @@ def serve(
         int | None,
         typer.Option(help="Most prompt tokens one request prefills per step (vLLM's name)."),
     ] = None,
+    max_prefill_chunk_seconds: Annotated[
+        float | None,
+        typer.Option(
+            help="Most seconds one prefill chunk pass should take: chunks are cut below "
+            "--long-prefill-token-threshold where the measured cost per token would overrun it."
+        ),
+    ] = None,
     batch_invariant: Annotated[
         bool | None,
         typer.Option(
@@ -113,6 +120,7 @@ def serve(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            max_prefill_chunk_seconds=max_prefill_chunk_seconds,
             batch_invariant=batch_invariant,
             database_url=database_url,
             migrate=migrate,

@@ -168,6 +168,12 @@ class Settings(BaseSettings):
     long_prefill_token_threshold: int = Field(
         default=128, ge=1, description="Most prompt tokens one request prefills per step."
     )
+    max_prefill_chunk_seconds: float | None = Field(
+        default=EngineConfig.model_fields["max_prefill_chunk_seconds"].default,
+        gt=0,
+        description="Most seconds one prefill chunk pass should take, at the measured cost "
+        "per prompt token (bounds a request's wait behind a long prompt).",
+    )
     batch_invariant: bool = Field(
         default=False, description="Each batched sequence in a pass of its own (slower)."
     )
@@ -567,6 +573,7 @@ def engine_config(settings: Settings) -> EngineConfig:
             max_num_batched_tokens=settings.max_num_batched_tokens,
             long_prefill_token_threshold=settings.long_prefill_token_threshold,
             batch_invariant=settings.batch_invariant,
+            max_prefill_chunk_seconds=settings.max_prefill_chunk_seconds,
             max_kv_tokens=settings.max_kv_tokens,
             cpu_threads=settings.cpu_threads,
             served_model_name=settings.served_model_name
