@@ -6,9 +6,9 @@ Each iteration of ``BatchScheduler.run``:
    its own, up to it, ``engine.batched_cache``);
 2. prefills the prompts that this step finishes, the shortest remainder first, within what
    the step's token budget (``max_num_batched_tokens``) leaves after the decoding sequences'
-   rows, one chunk of at most ``long_prefill_token_threshold`` tokens per prompt, fewer where
-   the measured cost per prompt token would make its pass overrun
-   ``max_prefill_chunk_seconds`` (``engine.prefill_pace``);
+   rows, one chunk of at most ``long_prefill_token_threshold`` tokens per prompt; a prompt
+   longer than that gets fewer where the measured cost per prompt token would make its pass
+   overrun ``max_prefill_chunk_seconds`` (``engine.prefill_pace``);
 3. runs one decode step over every sequence whose prompt is cached: each brings its own
    proposal, its length chosen for the batch from every sequence's acceptance and the
    measured step costs at this batch size (``engine.batch_speculation``), so speculation
@@ -217,7 +217,7 @@ class BatchScheduler:
         threshold = self.limits.long_prefill_token_threshold
         # Batch-invariant chunks keep their fixed boundaries: a bound in time would make them
         # depend on how fast the machine ran.
-        most = threshold if self.limits.batch_invariant else self.pace.limit(threshold)
+        paced = threshold if self.limits.batch_invariant else self.pace.limit(threshold)
         spent = False
         for seq in pending:
             if budget <= 0:
@@ -228,6 +228,9 @@ class BatchScheduler:
                 seq.done = True
                 continue
             left = seq.prefill_target - seq.prefilled
+            # A prompt the threshold prefills in one pass keeps it: cutting it would add a
+            # pass to its own first token, for a wait the threshold already bounds.
+            most = threshold if seq.prefill_target <= threshold else paced
             chunk = min(left, budget, most)
             if self.limits.batch_invariant and chunk < left:
                 whole = min(left, threshold)
@@ -235,7 +238,7 @@ class BatchScheduler:
                     break  # the whole chunk waits for a step with room for it
                 chunk = whole  # the first chunk of a step runs whole: prefill always advances
             if finishing and chunk < left:
-                break  # every prompt after this one has at least as much left
+                continue  # a prompt with more left but a whole pass of its own may finish
             end = seq.prefilled + chunk
             feed = Feed(seq.slot, seq.context[seq.prefilled : end])
             started = time.perf_counter()

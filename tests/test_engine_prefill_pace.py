@@ -119,6 +119,11 @@ def test_chunks_of_a_long_prompt_are_cut_to_the_bound_on_a_slow_machine(
         assert long_chunks[0] == 128
         assert max(long_chunks[1:]) <= int(BOUND_S / SLOW_PER_TOKEN_S)
         assert min(long_chunks[1:-1]) >= MIN_CHUNK_TOKENS
+        # A prompt the threshold prefills in one pass keeps that pass, cost measured or not.
+        del chunks[:]
+        medium_request = request([4 + i % 300 for i in range(100)], 2)
+        medium_tokens = engine.submit(medium_request).result().token_ids
+        assert chunks == [(0, 99)]
     finally:
         engine.close()
     plain = Engine.load(
@@ -127,5 +132,6 @@ def test_chunks_of_a_long_prompt_are_cut_to_the_bound_on_a_slow_machine(
     try:
         assert long_tokens == plain.generate(long_request).token_ids
         assert short_tokens == plain.generate(short_request).token_ids
+        assert medium_tokens == plain.generate(medium_request).token_ids
     finally:
         plain.close()
