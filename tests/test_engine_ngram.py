@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from engine.adaptive import PassCosts, SpeculationLength
 from engine.decoding import Speculation
 from engine.proposers.ngram import ALIGNMENT_CAP, NgramProposer, find_match, lookup
+from engine.types import SamplingParams
 
 
 def test_longest_suffix_ngram_wins_over_a_later_shorter_match() -> None:
@@ -109,3 +110,36 @@ def test_a_long_context_compares_only_the_latest_candidates() -> None:
     match = find_match(context, 1, 1)
     assert match is not None and context[match.start - 1] == context[-1]
     assert match.start >= 20_000 - 1 - 4 * 256  # among the latest hits
+
+
+@given(
+    prompt=st.lists(st.integers(0, 3), max_size=30),
+    chunks=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=5), max_size=12),
+    other=st.lists(st.integers(0, 3), max_size=30),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 2),
+)
+def test_an_index_kept_up_to_date_step_by_step_matches_as_a_fresh_one(
+    prompt: list[int], chunks: list[list[int]], other: list[int], min_n: int, extra: int
+) -> None:
+    """The proposer's index follows its request's sequence as steps commit one or more tokens;
+    its match (and so the proposal and the reach) is the one indexing the whole sequence at
+    that step finds. Shared by sequences that are no extension of the first (a proposer
+    serving several: another one, and one as long that differs in its last token), it indexes
+    each afresh and still agrees."""
+    max_n = min_n + extra
+    proposer = NgramProposer(min_n, max_n)
+    context = list(prompt)
+    proposer.start(context)
+    for chunk in chunks:
+        context += chunk
+        proposer.accepted(context)
+        assert proposer.expected_run(context) == (
+            0 if (m := find_match(context, min_n, max_n)) is None else m.aligned
+        )
+        proposal = proposer.propose(context, 5, SamplingParams(), torch.Generator())
+        assert proposal.tokens == lookup(context, 5, min_n, max_n)
+        twin = [*context[:-1], (context[-1] + 1) % 4]
+        for sequence in (other, twin, context):
+            fresh = find_match(sequence, min_n, max_n)
+            assert proposer.expected_run(sequence) == (0 if fresh is None else fresh.aligned)

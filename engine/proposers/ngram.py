@@ -19,6 +19,7 @@ Registered as the method ``ngram`` (vLLM's name too); it loads nothing."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -43,56 +44,127 @@ class Match:
     aligned: int  # how many tokens before ``start`` equal the sequence's last ones (>= n)
 
 
-def find_match(context: list[int], min_n: int, max_n: int) -> Match | None:
-    """The earlier occurrence of the longest suffix n-gram (n from ``max_n`` down to
-    ``min_n``) that agrees with the sequence for the most tokens back, the latest among
-    equals (up to ``ALIGNMENT_CAP`` tokens, among the ``MATCH_CANDIDATES`` latest)."""
-    size = len(context)
-    if size < 2:
+class SuffixIndex:
+    """Where every n-gram (n from ``min_n`` to ``max_n``) of a growing sequence occurs, kept up
+    to date as the sequence grows, so that finding the match for the next proposal is a
+    dictionary lookup and a comparison of its latest candidates.
+
+    Scanning the whole sequence for the suffix n-gram instead cost 300-700 microseconds a step
+    on real text (two CPU cores), and adaptive k reads the copy in progress (``expected_run``)
+    after every step of every n-gram sequence, plain steps included: at 8 sequences that was
+    0.30 s of 16 s of decoding (about 2 %), against 0.011 s with this index. Indexing costs
+    about half a microsecond per token and n; a sequence that is not an extension of the one
+    indexed (a proposer shared between sequences) is indexed afresh.
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        # n-gram -> the positions its continuations start at, in order. Keys of different n
+        # share the dictionary: tuples of different lengths are never equal. The positions
+        # are arrays, which the garbage collector does not track: a list per n-gram would add
+        # about three tracked objects per token, walked by every full collection.
+        self._starts: dict[tuple[int, ...], array[int]] = {}
+        self._match: Match | None = None
+        self._matched_size = -1  # the sequence length ``_match`` was found at
+
+    def follow(self, context: list[int]) -> None:
+        """Index ``context`` (usually what was indexed so far and a few tokens more)."""
+        size = len(self.tokens)
+        if len(context) < size or context[:size] != self.tokens:
+            self.tokens, self._starts, self._matched_size, size = [], {}, -1, 0
+        tokens = self.tokens
+        tokens.extend(context[size:])
+        starts = self._starts
+        for end in range(size + 1, len(tokens) + 1):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                key = tuple(tokens[end - n : end])
+                found = starts.get(key)
+                if found is None:
+                    starts[key] = array("q", (end,))
+                else:
+                    found.append(end)
+
+    def match(self) -> Match | None:
+        """The earlier occurrence of the longest suffix n-gram that agrees with the sequence
+        for the most tokens back, the latest among equals (up to ``ALIGNMENT_CAP`` tokens,
+        among the ``MATCH_CANDIDATES`` latest)."""
+        tokens = self.tokens
+        size = len(tokens)
+        if self._matched_size != size:
+            self._match, self._matched_size = self._find(tokens), size
+        return self._match
+
+    def _find(self, tokens: list[int]) -> Match | None:
+        size = len(tokens)
+        cap = min(ALIGNMENT_CAP, size - 1)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            # The last start is the suffix's own (its continuation would begin at ``size``).
+            starts = self._starts.get(tuple(tokens[size - n :]), ())
+            if len(starts) < 2:
+                continue
+            known = min(n, cap)
+            best_start, best = 0, -1
+            for start in reversed(starts[-1 - MATCH_CANDIDATES : -1]):
+                # Only a longer agreement replaces the best (the latest wins among equals),
+                # so one comparison of as many tokens turns most candidates away; each
+                # replacement then counts on from there, so the counting adds up to at most
+                # twice the cap for all of them.
+                need = best + 1
+                if need > min(cap, start):
+                    continue
+                if need > known and tokens[start - need : start] != tokens[size - need :]:
+                    continue
+                best_start, best = start, _agreement(tokens, start, max(need, known), cap)
+                if best == cap:
+                    break
+            return Match(best_start, max(n, best))
         return None
-    ids = torch.tensor(context, dtype=torch.long)
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        # Windows starting before the suffix itself: starts 0 .. size-n-1.
-        windows = ids[: size - 1].unfold(0, n, 1)
-        hits = (windows == ids[size - n :]).all(dim=1).nonzero().flatten()
-        if len(hits):
-            starts = hits[-MATCH_CANDIDATES:] + n
-            aligned = _aligned(ids, starts, min(ALIGNMENT_CAP, size - 1))
-            best = int(torch.argmax(aligned.flip(0)))  # argmax takes the first: the latest
-            index = len(starts) - 1 - best
-            return Match(int(starts[index]), max(n, int(aligned[index])))
-    return None
 
 
-def _aligned(ids: torch.Tensor, starts: torch.Tensor, cap: int) -> torch.Tensor:
-    """Per start s, the number of tokens before s that equal the sequence's last ones, in
-    order from s - 1 and the last token back (at most ``cap``)."""
-    back = torch.arange(cap)
-    source = starts[:, None] - 1 - back
-    equal = (source >= 0) & (ids[source.clamp(min=0)] == ids[len(ids) - 1 - back])
-    return equal.to(torch.long).cumprod(dim=1).sum(dim=1)
+def _agreement(tokens: list[int], start: int, known: int, cap: int) -> int:
+    """How many tokens before ``start`` equal the sequence's last ones, counted from
+    ``start - 1`` and the last token back, at most ``cap``; the first ``known`` are equal."""
+    before, last = start - 1, len(tokens) - 1
+    count = known
+    while count < cap and before - count >= 0 and tokens[before - count] == tokens[last - count]:
+        count += 1
+    return count
 
 
-def lookup(context: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """``k`` tokens continuing the best-aligned earlier match of the longest suffix n-gram."""
-    match = find_match(context, min_n, max_n) if k >= 1 else None
-    if match is None:
+def find_match(context: list[int], min_n: int, max_n: int) -> Match | None:
+    """``SuffixIndex.match`` of ``context`` indexed once."""
+    index = SuffixIndex(min_n, max_n)
+    index.follow(context)
+    return index.match()
+
+
+def continuation(context: list[int], match: Match | None, k: int) -> list[int]:
+    """``k`` tokens copied from ``match`` on, overlapping the end as LZ77 copies do."""
+    if match is None or k < 1:
         return []
     period = len(context) - match.start
     return [context[match.start + i % period] for i in range(k)]
 
 
+def lookup(context: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """``k`` tokens continuing the best-aligned earlier match of the longest suffix n-gram."""
+    return continuation(context, find_match(context, min_n, max_n) if k >= 1 else None, k)
+
+
 class NgramProposer:
+    """Prompt lookup over its own ``SuffixIndex`` of the request's committed sequence."""
+
     method: Method = "ngram"
     proposes_trees = False
     most_tokens: int | None = None
 
     def __init__(self, min_n: int, max_n: int) -> None:
-        self.min_n = min_n
-        self.max_n = max_n
+        self.index = SuffixIndex(min_n, max_n)
 
     def start(self, prompt_ids: list[int]) -> None:
-        return None
+        self.index.follow(prompt_ids)
 
     def propose(
         self,
@@ -103,22 +175,27 @@ class NgramProposer:
         min_confidence: float = 0.0,
         processing: LogitsProcessing | None = None,
     ) -> Proposal:
-        return Proposal(lookup(context, k, self.min_n, self.max_n))
+        if k < 1:
+            return Proposal([])
+        return Proposal(continuation(context, self._match(context), k))
 
     def accepted(self, context: list[int]) -> None:
-        return None
+        self.index.follow(context)
 
     def expected_run(self, context: list[int]) -> int:
         """The copy so far: how many tokens the match behind the next proposal has agreed."""
-        match = find_match(context, self.min_n, self.max_n)
+        match = self._match(context)
         return 0 if match is None else match.aligned
+
+    def _match(self, context: list[int]) -> Match | None:
+        self.index.follow(context)
+        return self.index.match()
 
 
 def _load(context: LoadContext) -> LoadedMethod:
     speculative = context.config.speculative
-    # No state between calls, so every request can share one proposer.
-    proposer = NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
-    return LoadedMethod(lambda: proposer)
+    low, high = speculative.prompt_lookup_min, speculative.prompt_lookup_max
+    return LoadedMethod(lambda: NgramProposer(low, high))  # each request its own index
 
 
 NGRAM = register(MethodSpec(name="ngram", vllm_names=("ngram",), load=_load))
