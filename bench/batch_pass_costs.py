@@ -226,7 +226,7 @@ def main() -> None:
         for width in widths:
             seconds = pass_seconds(runner, batch, width, args.context)
             grid[batch][width] = round(seconds * 1000, 2)
-            steps.record(batch, width, seconds)
+            steps.record(batch, batch * width, seconds)
             print(json.dumps({"batch": batch, "width": width, "ms": grid[batch][width]}))
     choices: dict[str, dict[int, int]] = {}
     crossovers: dict[str, float | str] = {}
@@ -235,7 +235,7 @@ def main() -> None:
         survival = [alpha**j for j in range(1, max_k + 1)]
         candidate = Candidate(survival, 0.0, max_k)
         chosen = {
-            batch: best_length([candidate] * batch, lambda w, b=batch: steps.seconds(b, w))
+            batch: best_length([candidate] * batch, lambda r, b=batch: steps.seconds(b, r))
             for batch in batches
         }
         choices[str(alpha)] = chosen

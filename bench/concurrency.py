@@ -4,7 +4,7 @@ scales with concurrent clients, per speculation method.
     python -m bench.concurrency [--target DIR --draft DIR] [--clients 1,2,4,8,16]
                                 [--methods none,ngram,draft] [--requests-per-client 2]
                                 [--max-tokens 48] [--repeats 3] [--long-prompt-tokens 2000]
-                                [--dtype auto] [--vllm] [--json FILE]
+                                [--workload chat] [--dtype auto] [--vllm] [--json FILE]
 
 The recommended run (about 11 minutes on a quiet 2-core machine, vLLM's startup included)::
 
@@ -14,19 +14,19 @@ The recommended run (about 11 minutes on a quiet 2-core machine, vLLM's startup 
 
 Serves the real app (uvicorn on 127.0.0.1, scratch SQLite audit) and, for each number of
 clients, runs that many streaming clients at once over a fixed mix (the built-in ``chat``
-prompts, in turn), greedy so every method produces the same tokens, once per method back to
-back. Per point: total completion tokens/s, mean per-request tokens/s, p50/p99 latency and
-time to first token. ``--repeats N`` runs the whole sweep N times, the methods' order rotated
-each time (so none of them always runs first, after the warm-up, or last), and the verdict
-on "speculation never slower than plain" is per number of clients the median over the
-repeats of the ratio method / plain tokens/s, each ratio from one repeat's back-to-back
-points: a load that drifts moves both sides of a ratio alike, and one disturbed point moves
-one ratio, not the median. After the sweep, the engine's speculation crossover per method
-(the batch size at which a fresh batch stops speculating,
-``specgate_speculation_crossover_batch_size`` in ``/metrics``). Then the head-of-line check:
-a short request sent while a prompt of ``--long-prompt-tokens`` tokens is being prefilled,
-at each of a few delays into that prefill; the median and the worst of its times to first
-token. The 1-minute load average is reported with them.
+prompts in turn, or another ``--workload``), greedy so every method produces the same tokens,
+once per method back to back. Per point: total completion tokens/s, mean per-request tokens/s,
+p50/p99 latency and time to first token. ``--repeats N`` runs the whole sweep N times, the
+methods' order rotated each time (so none of them always runs first, after the warm-up, or
+last), and the verdict on "speculation never slower than plain" is per number of clients the
+median over the repeats of the ratio method / plain tokens/s, each ratio from one repeat's
+back-to-back points: a load that drifts moves both sides of a ratio alike, and one disturbed
+point moves one ratio, not the median. After the sweep, the engine's speculation crossover per
+method (the batch size at which a fresh batch stops speculating,
+``specgate_speculation_crossover_batch_size`` in ``/metrics``). Then the head-of-line check: a
+short request sent while a prompt of ``--long-prompt-tokens`` tokens is being prefilled, at
+each of a few delays into that prefill; the median and the worst of its times to first token.
+The 1-minute load average is reported with them.
 
 ``--vllm`` also starts vLLM's CPU build (``bench.vllm_server``, from ``.venv-vllm``) on the
 target's weights, in the dtype the local engine serves them in (``--dtype``, by default the
@@ -80,8 +80,17 @@ class Timed:
     ttft_s: float
 
 
-def chat_mix() -> list[list[dict[str, str]]]:
-    lines = (BUILTIN_DIR / "chat.jsonl").read_text().splitlines()
+WORKLOADS = ("chat", "code", "editing", "json", "mixed")
+
+
+def prompt_mix(workload: str = "chat") -> list[list[dict[str, str]]]:
+    """The built-in prompts of ``workload``; ``mixed``: chat and editing prompts in turn (some
+    replies copy their prompt, others do not: each sequence of a batch speculates as its own
+    proposals pay)."""
+    if workload == "mixed":
+        chat, editing = prompt_mix("chat"), prompt_mix("editing")
+        return [m for pair in zip(chat, editing, strict=False) for m in pair]
+    lines = (BUILTIN_DIR / f"{workload}.jsonl").read_text().splitlines()
     return [json.loads(line)["messages"] for line in lines if line.strip()]
 
 
@@ -134,8 +143,8 @@ async def sweep_point(
     per_client: int,
     max_tokens: int,
     repeat: int,
+    mix: list[list[dict[str, str]]],
 ) -> Point:
-    mix = chat_mix()
 
     async def run_client(index: int) -> list[Timed]:
         out = []
@@ -240,7 +249,7 @@ async def sweep(args: argparse.Namespace, server: Server, methods: list[str]) ->
     points = []
     async with client_for(server) as client:
         for method in methods:  # warm-up: every method's first request off the clock
-            await one_request(client, server.model, chat_mix()[0], method, 4)
+            await one_request(client, server.model, prompt_mix(args.workload)[0], method, 4)
         for repeat in range(args.repeats):
             # Methods inner: each number of clients runs every method back to back, so their
             # ratio is measured side by side on a machine whose load drifts; the order turns
@@ -258,6 +267,7 @@ async def sweep(args: argparse.Namespace, server: Server, methods: list[str]) ->
                         args.requests_per_client,
                         args.max_tokens,
                         repeat,
+                        prompt_mix(args.workload),
                     )
                     print(json.dumps(asdict(point)), flush=True)
                     points.append(point)
@@ -378,6 +388,7 @@ async def run(
             "by_delay_s": dict(zip(map(str, HEAD_OF_LINE_DELAYS_S), ttfts, strict=True)),
         },
         "long_prompt_tokens": args.long_prompt_tokens,
+        "workload": args.workload,
     }, points
 
 
@@ -416,6 +427,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--dtype", default="auto", help="the local engine's dtype; vLLM gets the one it serves"
+    )
+    parser.add_argument(
+        "--workload", choices=WORKLOADS, default="chat", help="the built-in prompts sent"
     )
     parser.add_argument("--long-prompt-tokens", type=int, default=2000)
     parser.add_argument("--max-num-seqs", type=int, default=16)

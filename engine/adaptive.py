@@ -332,11 +332,10 @@ def best_length(
     margin: float = 0.0,
 ) -> int:
     """The proposal length k that maximises the expected tokens per second of one pass over
-    ``candidates`` (each feeds its last token and ``proposes(k)`` nodes; ``pass_seconds(w)``
-    is the pass's cost when the widest sequence feeds w rows, the others padded to it), plus
-    the proposers' time; 0 means plain steps pay best. Alone, this is one request's adaptive
-    k; in a batch every sequence is padded to the widest, so the length is chosen for all
-    together: a sequence proposing k makes the whole pass k + 1 rows wide.
+    ``candidates`` (each feeds its last token and ``proposes(k)`` nodes; ``pass_seconds(r)``
+    is the pass's cost at r rows in all), plus the proposers' time; 0 means plain steps pay
+    best: one request's adaptive k, or one k for a batch of alike sequences (a batch of
+    different ones: ``engine.batch_speculation.allocate``).
 
     ``incumbent`` (the k chosen last) is kept unless another k is more than ``margin``
     better: the rates rest on timings of a shared machine, and a choice that flips with
@@ -345,14 +344,15 @@ def best_length(
         return 0
     floor = max((c.forced for c in candidates if c.forced is not None), default=0)
     widest = max([floor, *(c.cap for c in candidates if c.forced is None)])
-    plain = pass_seconds(floor + 1)
+    fed = len(candidates)  # rows before any proposal
+    plain = pass_seconds(sum(c.proposes(floor) for c in candidates) + fed)
     if plain is None:
         return widest  # nothing measured yet: every pass costs the same
     rates: dict[int, float] = {}
     for k in range(floor, widest + 1):
         proposed = [c.proposes(k) for c in candidates]
         tokens = sum(c.expected(n) for c, n in zip(candidates, proposed, strict=True))
-        seconds = (pass_seconds(max(proposed) + 1) or plain) + sum(
+        seconds = (pass_seconds(sum(proposed) + fed) or plain) + sum(
             c.overhead(k) for c in candidates
         )
         rates[k] = tokens / seconds if seconds > 0 else float("inf")

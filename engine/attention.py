@@ -64,6 +64,8 @@ def cpu_gqa_sdpa_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     spans: list[tuple[int, int]] | None = kwargs.pop("slot_spans", None)
+    # Each batch row's own rows (the rest padding), which the compiled kernel skips.
+    row_counts: list[int] | None = kwargs.pop("row_counts", None)
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     special = any(kwargs.get(name) is not None for name in _SPECIAL)
     if special or query.device.type != "cpu" or module.training:
@@ -84,7 +86,9 @@ def cpu_gqa_sdpa_forward(
         if spans is None:  # (a cache in float32 under a half-precision model: no copy)
             key, value = key.to(compute), value.to(compute)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        attended = decode_attention.attend(query, key, value, attention_mask, spans, scale)
+        attended = decode_attention.attend(
+            query, key, value, attention_mask, spans, scale, row_counts
+        )
         if attended is not None:
             return attended.to(dtype), None
     if spans is not None:

@@ -1,11 +1,13 @@
 """How many tokens each sequence of a batched step proposes, from what batched steps cost.
 
-In the padded batch (``engine.batched_runner``) every sequence is fed as many rows as the
-widest one, so one sequence proposing k makes the whole pass ``batch x (k + 1)`` rows. The
-proposal length is therefore chosen for the batch: the k that maximises the batch's expected
-committed tokens per second (``engine.adaptive.best_length`` over every sequence's own
-acceptance curve), against the measured seconds of a step at this batch size and width
-(``StepCosts``). On two CPU cores a pass's cost grows almost at once with its rows, so as the
+A batched step (``engine.batched_runner``) runs its products over each sequence's own rows
+(attention alone sees them padded to the widest, and its compiled kernel skips the padding),
+so a step costs about what its rows cost in all: ``batch`` plus the tokens proposed. Each
+sequence's proposal length is chosen for the batch (``allocate``): the lengths that maximise
+the batch's expected committed tokens per second, from every sequence's own acceptance curve
+and the measured seconds of a step at this batch size and number of rows (``StepCosts``), so
+a sequence whose proposals are right (a reply quoting its prompt) speculates beside others
+that run plain. On two CPU cores a pass's cost grows almost at once with its rows, so as the
 batch grows k shrinks and reaches 0, where speculation stops paying: the crossover is a
 measurement (``crossover``), not a setting.
 
@@ -16,8 +18,8 @@ them by ``SWITCH_MARGIN``, with the catch-up it will cost counted (``Candidate.r
 so it does not flip with the noise of the measured step costs. Now and then it probes: a
 step in which adaptive sequences propose one token, after ``PROBE_AFTER_PLAIN_STEPS`` plain
 steps per sequence in the batch (so each sequence sees as much new evidence per plain step as
-it would alone while the padded probe pass is paid as rarely). In a shared batch a proposer
-that must first catch up (a draft that fell behind) probes only within a budget of
+it would alone while the probe pass, a row more per sequence, is paid as rarely). In a shared
+batch a proposer that must first catch up (a draft that fell behind) probes only within a budget of
 ``PROBE_SHARE`` of the plain steps' time since the last probe, the cheapest first: catching
 drafts up for probes costs a plain batch at most that share, however far behind they are.
 """
@@ -30,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from engine.adaptive import Candidate, PassCosts, SpeculationLength, best_length
+from engine.adaptive import Candidate, PassCosts, SpeculationLength
 from engine.decoding import Speculation
 
 
@@ -50,51 +52,51 @@ class RecentMedian:
 
 class StepCosts:
     """Measured seconds of a batched step (pass, verification and commit of every sequence)
-    by batch size and width (rows fed per sequence, padding included).
+    by batch size and rows (all the sequences' rows together: ``batch`` for a plain step).
 
-    Where a width has not been measured at a batch size, the one-sequence pass cost of as many
-    rows (``PassCosts``, calibrated at load) stands in, scaled by what the nearest measured
-    width at that batch size cost against its own stand-in: the shape of the curve from the
-    calibration, its level from this batch size's real steps.
+    Where a number of rows has not been measured at a batch size, the one-sequence pass cost
+    of as many rows (``PassCosts``, calibrated at load) stands in, scaled by what the nearest
+    measured number at that batch size cost against its own stand-in: the shape of the curve
+    from the calibration, its level from this batch size's real steps.
     """
 
-    SAMPLES = 15  # the recent steps of one batch size and width whose median is its cost
+    SAMPLES = 15  # the recent steps of one batch size and number of rows whose median is its cost
 
     def __init__(self, costs: PassCosts) -> None:
         self.costs = costs
         self._steps: dict[tuple[int, int], RecentMedian] = {}
         self._lock = threading.Lock()
 
-    def record(self, batch: int, width: int, seconds: float) -> None:
+    def record(self, batch: int, rows: int, seconds: float) -> None:
         with self._lock:
-            self._steps.setdefault((batch, width), RecentMedian(self.SAMPLES)).update(seconds)
+            self._steps.setdefault((batch, rows), RecentMedian(self.SAMPLES)).update(seconds)
 
-    def seconds(self, batch: int, width: int) -> float | None:
-        """The step's cost, never below a narrower measured step's: a wider pass does all
-        of a narrower one's work and more, so a lower figure is noise on a shared machine
-        (it would make speculating look cheaper than plain decoding)."""
+    def seconds(self, batch: int, rows: int) -> float | None:
+        """The step's cost, never below a measured step's of fewer rows: a pass of more rows
+        does all of a smaller one's work and more, so a lower figure is noise on a shared
+        machine (it would make speculating look cheaper than plain decoding)."""
         with self._lock:
             measured = {
-                w: e.value
-                for (b, w), e in self._steps.items()
+                r: e.value
+                for (b, r), e in self._steps.items()
                 if b == batch and e.value is not None
             }
-        estimate = self._estimate(batch, width, measured)
-        narrower = [measured[w] for w in measured if w < width]
-        if estimate is None or not narrower:
+        estimate = self._estimate(rows, measured)
+        fewer = [measured[r] for r in measured if r < rows]
+        if estimate is None or not fewer:
             return estimate
-        return max(estimate, *narrower)
+        return max(estimate, *fewer)
 
-    def _estimate(self, batch: int, width: int, measured: dict[int, float]) -> float | None:
-        if width in measured:
-            return measured[width]
-        stand_in = self.costs.target(batch * width)
+    def _estimate(self, rows: int, measured: dict[int, float]) -> float | None:
+        if rows in measured:
+            return measured[rows]
+        stand_in = self.costs.target(rows)
         if not measured:
             return stand_in
-        nearest = min(measured, key=lambda w: (abs(w - width), w))
-        if stand_in is None:  # nothing calibrated: the nearest measured width's cost
+        nearest = min(measured, key=lambda r: (abs(r - rows), r))
+        if stand_in is None:  # nothing calibrated: the nearest measured size's cost
             return measured[nearest]
-        scale = self.costs.target(batch * nearest)
+        scale = self.costs.target(nearest)
         return stand_in * measured[nearest] / scale if scale else measured[nearest]
 
 
@@ -121,36 +123,52 @@ class BatchSpeculation:
         self.steps = steps
         self.plain_run = 0  # plain steps in a row the batch chose
         self.plain_seconds = 0.0  # their estimated cost
-        self.last_k: int | None = None  # the batch's k at the last step (None: no step yet)
+        # Each sequence's length at the last step, by its ``Speculation`` (None: no incumbent).
+        self.last: dict[int, int] | None = None
 
     def lengths(self, sequences: list[Sequence]) -> list[int]:
         batch = len(sequences)
         candidates: list[Candidate | None] = [_candidate(seq) for seq in sequences]
         present = [c for c in candidates if c is not None]
-        k = best_length(present, _at_batch(self.steps, batch), self.last_k, self.SWITCH_MARGIN)
+        at_batch, plain_rows = _at_batch(self.steps, batch), batch - len(present)
+        own = allocate(present, at_batch, plain_rows)
+        speculations = [seq.speculation for seq in sequences if seq.speculation is not None]
+        if self.last is not None:
+            # The last step's lengths (0 for a sequence new to the batch) are kept unless the
+            # new ones beat them by the margin.
+            kept = [
+                c.proposes(self.last.get(id(speculation), 0))
+                for c, speculation in zip(present, speculations, strict=True)
+            ]
+            better = batch_rate(present, own, at_batch, plain_rows)
+            if batch_rate(present, kept, at_batch, plain_rows) * (1 + self.SWITCH_MARGIN) >= better:
+                own = kept
         # A step where no sequence may propose (none, or all at their last token: a request
         # alone ends so) sets no incumbent: the next request's choice starts fresh.
-        self.last_k = k if any(c.cap > 0 or c.forced for c in present) else None
-        chosen = [0 if c is None else c.proposes(k) for c in candidates]
+        self.last = (
+            {id(speculation): k for speculation, k in zip(speculations, own, strict=True)}
+            if any(c.cap > 0 or c.forced for c in present) else None
+        )
+        lengths = iter(own)
+        chosen = [0 if c is None else next(lengths) for c in candidates]
         adaptive = [
             i for i, c in enumerate(candidates) if c is not None and c.forced is None and c.cap > 0
         ]
-        if k > 0:
+        for i in adaptive:
             # After a fully accepted step a sequence looks one token further (as alone), only
-            # while speculating pays at all: a probe's lucky token must not buy a wider step
-            # the cost model has just priced out (at batch 1 as in a batch).
-            for i in adaptive:
-                length = _length(sequences[i])
-                if length.explore_from:
-                    cap = min(length.max_k, sequences[i].remaining - 1)
-                    chosen[i] = max(chosen[i], min(length.explore_from + 1, cap))
+            # while speculating pays for it: a probe's lucky token must not buy a longer
+            # proposal the cost model has just priced out (at batch 1 as in a batch).
+            length = _length(sequences[i])
+            if chosen[i] and length.explore_from:
+                cap = min(length.max_k, sequences[i].remaining - 1)
+                chosen[i] = max(chosen[i], min(length.explore_from + 1, cap))
         if not adaptive:
             return chosen
         if max(chosen[i] for i in adaptive) > 0:
             self.plain_run, self.plain_seconds = 0, 0.0
             return chosen
         self.plain_run += 1
-        self.plain_seconds += self.steps.seconds(batch, 1) or 0.0
+        self.plain_seconds += self.steps.seconds(batch, batch) or 0.0
         probing = (
             self._probing(batch, [(i, candidates[i]) for i in adaptive])
             if self.plain_run > self.PROBE_AFTER_PLAIN_STEPS * batch
@@ -183,6 +201,78 @@ class BatchSpeculation:
         return probing
 
 
+def allocate(
+    candidates: list[Candidate],
+    pass_seconds: Callable[[int], float | None],
+    plain_rows: int = 0,
+) -> list[int]:
+    """Each candidate's proposal length: the batch's expected committed tokens per second
+    (``plain_rows`` sequences that do not speculate commit one token a row; ``pass_seconds(r)``
+    is the step's cost at r rows in all, plus the proposers' time), raised one candidate at a
+    time from plain steps (a fixed k: its own), each time by the move, one sequence's length
+    set to any longer one up to its cap, that raises the rate most, while one does. A step
+    costs its rows, so a sequence whose proposals are right speculates beside others whose
+    are not, which propose nothing."""
+    ks = [c.proposes(0) for c in candidates]
+    fed = plain_rows + len(candidates)
+    if pass_seconds(fed + sum(ks)) is None:
+        return [c.proposes(c.cap) for c in candidates]  # nothing measured: all cost the same
+    costs: dict[int, float] = {}
+
+    def cost(rows: int) -> float:
+        if rows not in costs:
+            costs[rows] = pass_seconds(rows) or 0.0
+        return costs[rows]
+
+    # Per candidate and length: tokens expected, rows proposed, proposer seconds.
+    tables = [
+        [(c.expected(c.proposes(k)), c.proposes(k), c.overhead(k)) for k in range(c.cap + 1)]
+        if c.forced is None else [] for c in candidates
+    ]
+    tokens = plain_rows + sum(c.expected(k) for c, k in zip(candidates, ks, strict=True))
+    rows = fed + sum(ks)
+    overhead = sum(c.overhead(0) for c in candidates)
+    current = tokens / (cost(rows) + overhead)
+    while True:
+        best: tuple[float, int, int] | None = None
+        for i, table in enumerate(tables):
+            if not table:
+                continue
+            now_tokens, now_rows, now_overhead = table[ks[i]]
+            for k in range(ks[i] + 1, len(table)):
+                more_tokens, more_rows, more_overhead = table[k]
+                seconds = cost(rows + more_rows - now_rows) + overhead - now_overhead
+                seconds += more_overhead
+                gained = tokens + more_tokens - now_tokens
+                rate = gained / seconds if seconds > 0 else float("inf")
+                if best is None or rate > best[0]:
+                    best = (rate, i, k)
+        if best is None or best[0] <= current:
+            return ks
+        rate, i, k = best
+        now_tokens, now_rows, now_overhead = tables[i][ks[i]]
+        tokens += tables[i][k][0] - now_tokens
+        rows += tables[i][k][1] - now_rows
+        overhead += tables[i][k][2] - now_overhead
+        ks[i], current = k, rate
+
+
+def batch_rate(
+    candidates: list[Candidate],
+    lengths: list[int],
+    pass_seconds: Callable[[int], float | None],
+    plain_rows: int = 0,
+) -> float:
+    """Expected committed tokens per second of a step in which each candidate proposes its
+    length and ``plain_rows`` sequences run plain (``allocate``'s objective)."""
+    proposed = [c.proposes(k) for c, k in zip(candidates, lengths, strict=True)]
+    tokens = plain_rows + sum(c.expected(n) for c, n in zip(candidates, proposed, strict=True))
+    seconds = (pass_seconds(plain_rows + len(candidates) + sum(proposed)) or 0.0) + sum(
+        c.overhead(k) for c, k in zip(candidates, lengths, strict=True)
+    )
+    return tokens / seconds if seconds > 0 else float("inf")
+
+
 def _length(seq: Sequence) -> SpeculationLength:
     assert seq.speculation is not None
     return seq.speculation.length
@@ -209,10 +299,10 @@ def crossover(steps: StepCosts, length: SpeculationLength, max_batch: int) -> fl
     speculating pays up to ``max_batch``."""
     candidate = length.candidate()
     for batch in range(1, max_batch + 1):
-        if best_length([candidate] * batch, _at_batch(steps, batch)) == 0:
+        if not any(allocate([candidate] * batch, _at_batch(steps, batch))):
             return float(batch)
     return float("inf")
 
 
 def _at_batch(steps: StepCosts, batch: int) -> Callable[[int], float | None]:
-    return lambda width: steps.seconds(batch, width)
+    return lambda rows: steps.seconds(batch, rows)

@@ -182,20 +182,17 @@ class BatchedRunner:
         last_only: bool,
         want_hidden: bool,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """The pass on ``self.lean`` (``mask`` None: one row per sequence): the LM head over
-        the rows returned only (each feed's own rows; with ``last_only`` the padded batch's
-        last row, as HF's ``logits_to_keep``)."""
+        """The pass on ``self.lean`` (``mask`` None: one row per sequence) over each feed's own
+        rows (padding only where attention needs the layout): the LM head over the rows
+        returned only (each feed's rows; with ``last_only`` each feed's last)."""
         assert self.lean is not None
         batch, width = ids.shape
-        if last_only:
-            wanted = [b * width + width - 1 for b in range(batch)]
-        else:
-            wanted = [b * width + r for b, n in enumerate(sizes) for r in range(n)]
-        rows = None if len(wanted) == batch * width else torch.tensor(wanted)
+        ends = torch.tensor(sizes).cumsum(0)
+        rows = (ends - 1) if last_only and width > 1 else None
         spans = slots.spans if self._per_sequence and batch > 1 else None
         logits, states = self.lean.forward(
             ids.to(self.device), positions.to(self.device), mask, self.cache, spans,
-            None if rows is None else rows.to(self.device),
+            None if rows is None else rows.to(self.device), sizes,
         )
         for b, n in enumerate(sizes):
             self.lengths[slots.slots[b]] += n

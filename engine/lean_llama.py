@@ -144,24 +144,47 @@ class LeanLlama:
         cache: SlotCache,
         spans: list[tuple[int, int]] | None,
         rows: torch.Tensor | None,
+        sizes: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (model dtype) and the LM head's input of the pass ``ids`` ``[batch, rows]``
         at ``positions`` with ``mask`` (as the attention function takes it; None: every row sees
         the whole cache its sequence has, which only one row per sequence may), storing keys and
-        values in ``cache``. ``rows``: indices into the flattened ``batch * rows`` rows whose
-        logits are wanted (None: all), both outputs ``[len(rows), ...]`` then."""
+        values in ``cache``.
+
+        ``sizes``: each sequence's own rows, the first ``sizes[b]`` of its ``rows`` (None: all
+        are its own). Only attention's layout is padded, and the compiled attention skips the
+        padding rows; everything else runs on the sequences' own rows alone, so a step where
+        one sequence verifies a long proposal costs its rows, not every sequence padded to
+        them (each row is computed on its own, so the results of the others do not change).
+        ``rows``: indices into the own rows, in order, of those whose logits are wanted (None:
+        all), both outputs ``[len(rows), ...]`` then."""
         inner = self.model.model
         batch, width = ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        hidden = inner.embed_tokens(ids)
+        padded = batch * width
+        hidden = inner.embed_tokens(ids).reshape(padded, -1)
         cos, sin = inner.rotary_emb(hidden, position_ids=positions)
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        cos = cos.reshape(batch, width, 1, dim)
+        sin = sin.reshape(batch, width, 1, dim)
+        real = laid_out = None  # the own rows' indices; attention's layout of q/k/v
+        if sizes is not None and sum(sizes) < padded:
+            real = torch.tensor(
+                [b * width + r for b, n in enumerate(sizes) for r in range(n)],
+                device=hidden.device,
+            )
+            hidden = hidden.index_select(0, real)
+            laid_out = hidden.new_zeros((padded, (heads + 2 * kv_heads) * dim))
         half = dim // 2
         rope_width = (heads + kv_heads) * dim
         stores = cache.slot_layers
         for index, layer in enumerate(self.layers):
             normed = self._norm(hidden, layer.input_norm)
             qkv = layer.qkv.product(normed)
+            if laid_out is not None:
+                # One buffer for every layer: the store copies keys and values into the
+                # cache, and nothing reads this layer's q/k/v after its attention.
+                qkv = laid_out.index_copy_(0, real, qkv)
+            qkv = qkv.view(batch, width, -1)
             qk = qkv[..., :rope_width].view(batch, width, heads + kv_heads, dim)
             rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
             qk = qk * cos + rotated * sin
@@ -172,13 +195,16 @@ class LeanLlama:
             attended, _ = cpu_gqa_sdpa_forward(
                 layer.attention, query, key, value, mask,
                 scaling=layer.attention.scaling, slot_spans=spans,
+                row_counts=None if real is None else sizes,
             )
-            hidden = hidden + layer.o_proj(attended.reshape(batch, width, -1))
+            attended = attended.reshape(padded, -1)
+            if real is not None:
+                attended = attended.index_select(0, real)
+            hidden = hidden + layer.o_proj(attended)
             normed = self._norm(hidden, layer.post_norm)
             gate_up = layer.gate_up.product(normed)
             gate, up = gate_up.split(layer.gate_up.sizes, dim=-1)
             hidden = hidden + layer.down_proj(F.silu(gate) * up)
-        hidden = hidden.reshape(batch * width, -1)
         if rows is not None:
             hidden = hidden.index_select(0, rows)
         hidden = self._norm(hidden, inner.norm.weight)

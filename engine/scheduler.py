@@ -301,10 +301,10 @@ class BatchScheduler:
             )
             for seq, proposal in zip(active, proposals, strict=True)
         ]
-        width = max(len(row.proposal.tokens) for row in rows) + 1
+        fed = sum(len(row.proposal.tokens) + 1 for row in rows)
         started = time.perf_counter()
         verdicts = run_step(self.runner, rows)
-        self.steps.record(len(active), width, time.perf_counter() - started)
+        self.steps.record(len(active), fed, time.perf_counter() - started)
         for seq, row, verdict in zip(active, rows, verdicts, strict=True):
             proposal = row.proposal
             new_tokens = [*(proposal.tokens[i] for i in verdict.path), verdict.next_token]

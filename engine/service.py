@@ -424,9 +424,9 @@ class Engine:
         (``LoadedMethod.calibrate``), once at load, so that
         adaptive k starts from this machine's real costs (refined by every pass served)."""
         max_k = self.speculative_config.max_speculative_tokens
-        # A batched step's unmeasured widths take the shape of the cost of as many rows
-        # (engine.batch_speculation.StepCosts): beyond one request's k + 1 rows, sizes up to
-        # a full batch of plain steps.
+        # A batched step of an unmeasured number of rows takes the shape of one pass of as
+        # many (engine.batch_speculation.StepCosts): beyond one request's k + 1 rows, sizes
+        # up to a full batch of k + 1 rows each.
         dense = min(max_k + 1, DENSE_CALIBRATION_ROWS)
         sizes = sorted({*range(1, dense + 1), *range(dense + 4, max_k + 2, 4), max_k + 1})
         batch_rows = self.config.max_num_seqs * (max_k + 1)

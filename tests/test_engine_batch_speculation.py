@@ -25,8 +25,8 @@ def two_core_steps(per_row: float = 0.016, fixed: float = 0.064) -> StepCosts:
         costs.record_target(rows, fixed + per_row * rows)
     costs.record_proposer("ngram", 0.0002)
     steps = StepCosts(costs)
-    for width in (1, 2, 3, 5):
-        steps.record(1, width, fixed + per_row * width)
+    for rows in (1, 2, 3, 5):
+        steps.record(1, rows, fixed + per_row * rows)
     return steps
 
 
@@ -98,16 +98,16 @@ class NoisySteps(StepCosts):
     """Step costs at which one proposed token and a plain step pay the same, give or take a
     noise of ``wobble`` that the test flips between steps."""
 
-    def __init__(self, costs: PassCosts, plain: float, tie_width_2: float) -> None:
+    def __init__(self, costs: PassCosts, plain: float, tie_at_k_1: float) -> None:
         super().__init__(costs)
-        self.plain, self.tie, self.wobble = plain, tie_width_2, 0.02
+        self.plain, self.tie, self.wobble = plain, tie_at_k_1, 0.02
 
-    def seconds(self, batch: int, width: int) -> float | None:
-        if width == 1:
+    def seconds(self, batch: int, rows: int) -> float | None:
+        if rows == batch:
             return self.plain
-        if width == 2:
+        if rows == 2 * batch:
             return self.tie * (1.0 + self.wobble)
-        return 100.0  # wider steps never pay
+        return 100.0  # longer steps never pay
 
 
 def test_the_batch_choice_does_not_flip_with_noise_in_the_step_costs() -> None:
@@ -118,8 +118,8 @@ def test_the_batch_choice_does_not_flip_with_noise_in_the_step_costs() -> None:
         history.record(1, accepted)
     seqs = [ngram(StepCosts(costs), history, prior=0.5) for _ in range(2)]
     survival = seqs[0].speculation.length.survival()[0]  # type: ignore[union-attr]
-    # Two sequences at k = 1 commit 2 * (1 + S(1)) tokens per wide step: the same rate as
-    # plain steps when the wide step costs (1 + S(1)) plain ones.
+    # Two sequences at k = 1 commit 2 * (1 + S(1)) tokens per step of k = 1: the same rate as
+    # plain steps when that step costs (1 + S(1)) plain ones.
     steps = NoisySteps(costs, 0.1, 0.1 * (1.0 + survival))
     chooser = BatchSpeculation(steps)
     choices = []
@@ -143,8 +143,8 @@ def test_probes_of_a_lagging_draft_spend_a_bounded_share_of_plain_steps() -> Non
     costs.record_proposer("draft", 0.004)
     costs.record_catch_up("draft", 100, 0.1)  # 1 ms per caught-up row
     steps = StepCosts(costs)
-    steps.record(4, 1, 0.08)
-    steps.record(4, 2, 0.12)
+    steps.record(4, 4, 0.08)
+    steps.record(4, 8, 0.12)
     history = RunLengths(16)
     for accepted in [0] * 19 + [1]:
         history.record(2, accepted)
@@ -185,9 +185,9 @@ def test_a_draft_that_must_catch_up_resumes_only_where_the_steps_left_repay_it()
 def test_a_stalled_step_does_not_move_the_step_cost() -> None:
     steps = StepCosts(PassCosts())
     for _ in range(10):
-        steps.record(4, 1, 0.1)
-    steps.record(4, 1, 5.0)  # descheduled for five seconds on a shared machine
-    assert steps.seconds(4, 1) == 0.1
+        steps.record(4, 4, 0.1)
+    steps.record(4, 4, 5.0)  # descheduled for five seconds on a shared machine
+    assert steps.seconds(4, 4) == 0.1
 
 
 def test_a_request_that_ended_alone_leaves_the_next_one_a_fresh_choice() -> None:

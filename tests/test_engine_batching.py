@@ -346,15 +346,29 @@ def test_speculation_shrinks_with_the_batch_and_stops_at_a_measured_crossover() 
     assert crossover(StepCosts(cpu_like_costs(per_row=0.0)), fresh, 16) == float("inf")
 
 
-def test_one_speculating_sequence_pays_for_the_padding_of_the_others() -> None:
-    costs = cpu_like_costs()
-    chooser = BatchSpeculation(StepCosts(costs))
+def test_one_speculating_sequence_pays_for_its_own_rows_beside_plain_ones() -> None:
+    """A pass costs its rows, not every sequence padded to the longest (the lean forward), and
+    the plain sequences' tokens count in the batch's rate: a proposal that pays for its rows
+    beside seven plain requests is made, one that does not is not."""
+    for per_row, speculates in ((0.002, True), (0.004, False)):
+        costs = cpu_like_costs(per_row=per_row)
+        chooser = BatchSpeculation(StepCosts(costs))
+        good = Sequence(adaptive(costs, (0, 4)), 0, 100)
+        alone = chooser.lengths([good])[0]
+        assert alone > 0
+        beside = chooser.lengths([good, *[Sequence(None, 0, 100)] * 7])
+        assert (beside[0] > 0) == speculates and beside[1:] == [0] * 7
+
+
+def test_each_sequence_of_a_batch_proposes_as_its_own_acceptance_pays() -> None:
+    """Beside seven n-gram requests whose proposals are never accepted, the one whose
+    proposals are speculates alone: one length for all made the seven propose too, or, where
+    their rows did not pay, kept the good one at plain steps."""
+    costs = cpu_like_costs(per_row=0.002)
     good = Sequence(adaptive(costs, (0, 4)), 0, 100)
-    alone = chooser.lengths([good])[0]
-    assert alone > 0
-    # Beside seven plain requests its proposal widens all eight rows of the pass.
-    beside = chooser.lengths([good, *[Sequence(None, 0, 100)] * 7])
-    assert beside[0] < alone and beside[1:] == [0] * 7
+    poor = [Sequence(adaptive(costs, (0,)), 0, 100) for _ in range(7)]
+    ks = BatchSpeculation(StepCosts(costs)).lengths([good, *poor])
+    assert ks[0] > 0 and ks[1:] == [0] * 7
 
 
 def test_a_fixed_k_is_proposed_whole_and_a_plain_batch_probes_rarely() -> None:
@@ -362,23 +376,23 @@ def test_a_fixed_k_is_proposed_whole_and_a_plain_batch_probes_rarely() -> None:
     chooser = BatchSpeculation(StepCosts(costs))
     poor = [Sequence(adaptive(costs, (0,)), 0, 100) for _ in range(4)]
     pinned = Sequence(adaptive(costs, (0,), fixed_k=3), 0, 100)
-    assert chooser.lengths([*poor, pinned])[-1] == 3
+    assert chooser.lengths([*poor, pinned]) == [0, 0, 0, 0, 3]  # each its own length
     chooser.plain_run = 0
     rounds = [chooser.lengths(poor) for _ in range(3 * 4 * chooser.PROBE_AFTER_PLAIN_STEPS)]
     probes = [ks for ks in rounds if any(ks)]
     assert probes and all(ks == [1, 1, 1, 1] for ks in probes)
     assert len(probes) <= 3  # once per PROBE_AFTER_PLAIN_STEPS plain steps per sequence
     assert poor[0].speculation is not None
-    assert poor[0].speculation.length.plain_steps == len(rounds) - len(probes)
+    assert poor[0].speculation.length.plain_steps == 1 + len(rounds) - len(probes)
 
 
 def test_step_costs_keep_the_calibrated_shape_at_the_measured_level() -> None:
     costs = cpu_like_costs()
     steps = StepCosts(costs)
-    assert steps.seconds(4, 2) == costs.target(8)
-    steps.record(4, 1, 2 * (costs.target(4) or 0.0))  # batched steps cost twice the stand-in
-    assert steps.seconds(4, 1) == pytest.approx(2 * (costs.target(4) or 0.0))
-    assert steps.seconds(4, 3) == pytest.approx(2 * (costs.target(12) or 0.0))
-    assert steps.seconds(2, 3) == costs.target(6)  # other batch sizes are not moved
-    steps.record(4, 2, 0.001)  # a wider step measured cheaper than a narrower one: noise
-    assert steps.seconds(4, 2) == steps.seconds(4, 1)
+    assert steps.seconds(4, 8) == costs.target(8)
+    steps.record(4, 4, 2 * (costs.target(4) or 0.0))  # batched steps cost twice the stand-in
+    assert steps.seconds(4, 4) == pytest.approx(2 * (costs.target(4) or 0.0))
+    assert steps.seconds(4, 12) == pytest.approx(2 * (costs.target(12) or 0.0))
+    assert steps.seconds(2, 6) == costs.target(6)  # other batch sizes are not moved
+    steps.record(4, 8, 0.001)  # a longer step measured cheaper than a shorter one: noise
+    assert steps.seconds(4, 8) == steps.seconds(4, 4)

@@ -117,6 +117,24 @@ def test_each_sequence_alone_gives_its_rows_in_the_batch_bitwise(case: tuple) ->
 
 
 @settings(max_examples=60, deadline=None)
+@given(passes(), st.data())
+def test_padding_rows_are_skipped_and_the_own_rows_unchanged(
+    case: tuple, data: st.DataObject
+) -> None:
+    """With each batch row's own row count, the rows beyond it are not attended (zeros) and
+    the own rows are bitwise those of the pass that attends every row."""
+    query, keys, values, mask, spans, scale = case
+    batch, rows = query.shape[0], query.shape[2]
+    counts = [data.draw(st.integers(1, rows)) for _ in range(batch)]
+    every = decode_attention.attend(query, keys, values, mask, spans, scale)
+    own = decode_attention.attend(query, keys, values, mask, spans, scale, counts)
+    assert every is not None and own is not None
+    for b, n in enumerate(counts):
+        assert torch.equal(own[b, :n], every[b, :n])
+        assert not own[b, n:].any()
+
+
+@settings(max_examples=60, deadline=None)
 @given(passes(), st.integers(1, 15))
 def test_a_decode_row_is_row_0_of_a_verification_pass_bitwise(case: tuple, extra: int) -> None:
     """Row 0 of a pass of 1 + ``extra`` rows sees the prefix and itself, as a decode row does;

@@ -11,6 +11,7 @@ not cover keep HF's forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,29 @@ def test_lean_passes_give_hf_modules_logits_bitwise(target: Path, dtype: str, hi
         assert [t.shape for t in one] == [t.shape for t in other]
         assert all(torch.equal(a, b) for a, b in zip(one, other, strict=True))
     assert lean.lengths == modules.lengths
+
+
+def test_a_padded_pass_runs_its_products_over_each_feeds_own_rows(target: Path) -> None:
+    """Only attention sees the padded layout: beside a five-row tree, a decode row and a
+    two-row chain cost one and two rows of every product, not five each."""
+    runner = BatchedRunner(load_packed(target, "float32"), max_slots=3)
+    for slot in range(3):
+        runner.forward([Feed(slot, prompts()[slot])], last_only=True)
+    assert runner.lean is not None
+    rows: list[int] = []
+
+    def counted(product: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def run(input: torch.Tensor) -> torch.Tensor:
+            rows.append(input.reshape(-1, input.shape[-1]).shape[0])
+            return product(input)
+        return run
+
+    for layer in runner.lean.layers:
+        for fused in (layer.qkv, layer.gate_up):
+            fused.product = counted(fused.product)  # type: ignore[method-assign]
+    runner.forward([Feed(0, [41]), Feed(1, [42, 50, 51, 52, 53], (-1, -1, 0, 0)),
+                    Feed(2, [43, 60])])
+    assert len(rows) == 2 * len(runner.lean.layers) and set(rows) == {1 + 5 + 2}
 
 
 def test_lean_passes_match_the_unfused_model_in_float32(target: Path) -> None:

@@ -198,13 +198,14 @@ static void attend_group(
  * share one layout: element (b, kv head, position, d) at b * kv_batch_stride + kv head *
  * kv_head_stride + (offsets[b] + position) * position_stride + d; mask (NULL: none) row r
  * of batch row b at b * mask_batch_stride + r * mask_row_stride, one byte per column;
- * out [batch, rows, heads, dim] contiguous. Returns 0, or -1 when scratch memory could not
- * be had. */
+ * row_counts (NULL: rows for all): batch row b's own rows, the first row_counts[b], the
+ * others padding, whose outputs are zeros; out [batch, rows, heads, dim] contiguous.
+ * Returns 0, or -1 when scratch memory could not be had. */
 int specgate_attend(
     const float *query, int64_t q_batch_stride, int64_t q_head_stride, int64_t q_row_stride,
     const float *keys, const float *values,
     int64_t kv_batch_stride, int64_t kv_head_stride, int64_t position_stride,
-    const int64_t *offsets, const int64_t *lengths,
+    const int64_t *offsets, const int64_t *lengths, const int64_t *row_counts,
     const uint8_t *mask, int64_t mask_batch_stride, int64_t mask_row_stride,
     float *out,
     int64_t batch, int64_t heads, int64_t kv_heads, int64_t rows, int64_t dim, float scale)
@@ -221,6 +222,7 @@ int specgate_attend(
     for (int64_t b = 0; b < batch; b++) {
         const int64_t length = lengths[b];
         const int64_t base = b * kv_batch_stride + offsets[b] * position_stride;
+        const int64_t own = row_counts ? row_counts[b] : rows;
         for (int64_t h = 0; h < kv_heads; h++) {
             const int64_t first = h * group;
             attend_group(
@@ -229,8 +231,12 @@ int specgate_attend(
                 position_stride,
                 mask ? mask + b * mask_batch_stride : NULL, mask_row_stride,
                 out + b * rows * out_row_stride + first * dim, out_row_stride,
-                rows, group, length, dim, scale, scores, padded);
+                own, group, length, dim, scale, scores, padded);
         }
+        /* Padding rows are not attended: zeros, never read. */
+        if (own < rows)
+            memset(out + (b * rows + own) * out_row_stride, 0,
+                   (size_t)((rows - own) * out_row_stride) * sizeof(float));
     }
     free(scores);
     return 0;

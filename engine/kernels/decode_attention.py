@@ -41,7 +41,7 @@ def _built() -> Built:
         [
             _PTR, _I64, _I64, _I64,  # query and its batch, head, row strides
             _PTR, _PTR, _I64, _I64, _I64,  # keys, values, batch, head, position strides
-            _PTR, _PTR,  # offsets, lengths
+            _PTR, _PTR, _PTR,  # offsets, lengths, each batch row's own rows (or NULL)
             _PTR, _I64, _I64,  # mask and its batch, row strides
             _PTR,  # out
             _I64, _I64, _I64, _I64, _I64,  # batch, heads, kv heads, rows, dim
@@ -84,12 +84,15 @@ def attend(
     mask: torch.Tensor | None,
     spans: list[tuple[int, int]] | None,
     scale: float,
+    row_counts: list[int] | None = None,
 ) -> torch.Tensor | None:
     """Attention of ``query`` ``[batch, heads, rows, dim]`` over ``keys``/``values``: with
     ``spans``, the arenas ``[1, kv_heads, positions, dim]`` and batch row b over positions
     ``[offset, offset + length)``; without, ``[batch, kv_heads, length, dim]``. ``mask``:
     boolean ``[batch or 1, 1, rows, >= length]`` (True = attend), None for one row per
-    sequence seeing all of its extent. None where the kernel does not apply."""
+    sequence seeing all of its extent. ``row_counts``: batch row b's own rows, the first
+    ``row_counts[b]``; the rest are padding, not attended, zeros in the result (None: all
+    rows are its own). None where the kernel does not apply."""
     built = _built()
     if built.library is None or _switched_off or not _applies(query, keys, values, mask):
         return None
@@ -111,12 +114,17 @@ def attend(
         mask_pointer = mask.data_ptr()
     else:
         mask_batch_stride = mask_row_stride = mask_pointer = 0
+    own = None
+    if row_counts is not None:
+        if len(row_counts) != batch or not all(0 < n <= rows for n in row_counts):
+            raise ValueError(f"row counts {row_counts} for {batch} batch rows of {rows}")
+        own = _row_counts(row_counts)
     out = torch.empty((batch, rows, heads, dim), dtype=torch.float32)
     table_pointer = table.data_ptr()  # offsets, then lengths
     failed = built.library.specgate_attend(
         query.data_ptr(), query.stride(0), query.stride(1), query.stride(2),
         keys.data_ptr(), values.data_ptr(), kv_batch_stride, keys.stride(1), keys.stride(2),
-        table_pointer, table_pointer + 8 * batch,
+        table_pointer, table_pointer + 8 * batch, None if own is None else own.data_ptr(),
         mask_pointer, mask_batch_stride, mask_row_stride,
         out.data_ptr(),
         batch, heads, kv_heads, rows, dim, scale,
@@ -129,6 +137,21 @@ def attend(
 # The last pass's spans and their table, as one tuple: assigned in one step, so an engine in
 # another thread can never pair one pass's spans with another's table.
 _last: tuple[list[tuple[int, int]], torch.Tensor] | None = None
+
+
+# The last pass's row counts and their tensor (as ``_last`` for spans).
+_last_counts: tuple[list[int], torch.Tensor] | None = None
+
+
+def _row_counts(counts: list[int]) -> torch.Tensor:
+    """``counts`` as int64, the last pass's tensor again when its layers hand the same list."""
+    global _last_counts
+    last = _last_counts
+    if last is not None and last[0] is counts:
+        return last[1]
+    tensor = torch.tensor(counts, dtype=torch.long)
+    _last_counts = (counts, tensor)
+    return tensor
 
 
 def _span_table(spans: list[tuple[int, int]]) -> torch.Tensor:
