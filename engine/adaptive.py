@@ -411,7 +411,8 @@ class SpeculationLength:
         # How far the proposer expects to be right from the committed sequence
         # (``RunHinting``), which the reach takes as evidence beside the runs seen.
         self.hinted_reach = 0
-        self.plain_run = 0  # plain steps chosen in a row
+        # Plain steps chosen in a row (in a batch: beside sequences that speculate).
+        self.plain_run = 0
         self.plain_steps = 0  # plain steps chosen in all (probes not counted)
 
     def record(self, proposed: int, accepted: int, path: Sequence[int] | None = None) -> None:

@@ -21,7 +21,8 @@ steps per sequence in the batch (so each sequence sees as much new evidence per 
 it would alone while the probe pass, a row more per sequence, is paid as rarely). In a shared
 batch a proposer that must first catch up (a draft that fell behind) probes only within a budget of
 ``PROBE_SHARE`` of the plain steps' time since the last probe, the cheapest first: catching
-drafts up for probes costs a plain batch at most that share, however far behind they are.
+drafts up for probes costs a plain batch at most that share, however far behind they are. A
+sequence that runs plain beside speculating ones probes on its own (``_probe_beside``).
 """
 
 from __future__ import annotations
@@ -166,7 +167,10 @@ class BatchSpeculation:
             return chosen
         if max(chosen[i] for i in adaptive) > 0:
             self.plain_run, self.plain_seconds = 0, 0.0
+            self._probe_beside(sequences, candidates, adaptive, chosen)
             return chosen
+        for i in adaptive:
+            _length(sequences[i]).plain_run = 0
         self.plain_run += 1
         self.plain_seconds += self.steps.seconds(batch, batch) or 0.0
         probing = (
@@ -182,6 +186,37 @@ class BatchSpeculation:
             if not chosen[i]:
                 _length(sequences[i]).plain_steps += 1
         return chosen
+
+    def _probe_beside(
+        self,
+        sequences: list[Sequence],
+        candidates: list[Candidate | None],
+        adaptive: list[int],
+        chosen: list[int],
+    ) -> None:
+        """In a step where others speculate, a sequence that ran plain for more than
+        ``PROBE_AFTER_PLAIN_STEPS`` such steps per sequence in the batch, in a row, proposes
+        one token: without new evidence a pessimistic curve would keep it plain for as long
+        as the others speculate. Its row is all a probe costs (no padding), so the batch pays
+        at most a row per ``PROBE_AFTER_PLAIN_STEPS`` steps. Only proposers that need no
+        catch-up probe so (a draft that fell behind waits for a plain batch's budgeted
+        probe)."""
+        for i in adaptive:
+            length = _length(sequences[i])
+            if chosen[i]:
+                length.plain_run = 0
+                continue
+            candidate = candidates[i]
+            length.plain_run += 1
+            if (
+                length.plain_run > self.PROBE_AFTER_PLAIN_STEPS * len(sequences)
+                and candidate is not None
+                and candidate.resume_seconds == 0.0
+            ):
+                length.plain_run = 0
+                chosen[i] = 1
+            else:
+                length.plain_steps += 1
 
     def _probing(self, batch: int, adaptive: list[tuple[int, Candidate | None]]) -> list[int]:
         """The sequences that probe now. Alone, the sequence (as the one-request loop does).

@@ -371,6 +371,22 @@ def test_each_sequence_of_a_batch_proposes_as_its_own_acceptance_pays() -> None:
     assert ks[0] > 0 and ks[1:] == [0] * 7
 
 
+def test_a_sequence_running_plain_beside_a_speculating_one_still_probes() -> None:
+    """Beside a request whose proposals are always accepted, one whose proposals never are
+    runs plain and proposes a token now and then (a row each, at most one per
+    ``PROBE_AFTER_PLAIN_STEPS`` steps of the batch), so its curve can rise if its reply starts
+    to quote; without that it stayed plain for as long as the other speculated."""
+    costs = cpu_like_costs(per_row=0.002)
+    chooser = BatchSpeculation(StepCosts(costs))
+    good = Sequence(adaptive(costs, (4,)), 0, 1000)
+    poor = Sequence(adaptive(costs, (0,)), 0, 1000)
+    rounds = [chooser.lengths([good, poor]) for _ in range(100)]
+    assert all(ks[0] > 0 for ks in rounds)
+    probes = [ks[1] for ks in rounds if ks[1]]
+    assert probes and set(probes) == {1}
+    assert len(probes) <= len(rounds) // chooser.PROBE_AFTER_PLAIN_STEPS
+
+
 def test_a_fixed_k_is_proposed_whole_and_a_plain_batch_probes_rarely() -> None:
     costs = cpu_like_costs()
     chooser = BatchSpeculation(StepCosts(costs))
