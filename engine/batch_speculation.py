@@ -207,10 +207,10 @@ class BatchSpeculation:
                 length.plain_run = 0
                 continue
             candidate = candidates[i]
+            assert candidate is not None  # an adaptive sequence's
             length.plain_run += 1
             if (
                 length.plain_run > self.PROBE_AFTER_PLAIN_STEPS * len(sequences)
-                and candidate is not None
                 and candidate.resume_seconds == 0.0
             ):
                 length.plain_run = 0

@@ -187,8 +187,7 @@ class BatchedRunner:
         returned only (each feed's rows; with ``last_only`` each feed's last)."""
         assert self.lean is not None
         batch, width = ids.shape
-        ends = torch.tensor(sizes).cumsum(0)
-        rows = (ends - 1) if last_only and width > 1 else None
+        rows = torch.tensor(sizes).cumsum(0) - 1 if last_only and width > 1 else None
         spans = slots.spans if self._per_sequence and batch > 1 else None
         logits, states = self.lean.forward(
             ids.to(self.device), positions.to(self.device), mask, self.cache, spans,

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -134,36 +135,31 @@ def attend(
     return out
 
 
-# The last pass's spans and their table, as one tuple: assigned in one step, so an engine in
-# another thread can never pair one pass's spans with another's table.
-_last: tuple[list[tuple[int, int]], torch.Tensor] | None = None
+# Per kind, the last pass's list and its tensor, as one tuple: assigned in one step, so an
+# engine in another thread can never pair one pass's list with another's tensor.
+_last: dict[str, tuple[object, torch.Tensor]] = {}
 
 
-# The last pass's row counts and their tensor (as ``_last`` for spans).
-_last_counts: tuple[list[int], torch.Tensor] | None = None
-
-
-def _row_counts(counts: list[int]) -> torch.Tensor:
-    """``counts`` as int64, the last pass's tensor again when its layers hand the same list."""
-    global _last_counts
-    last = _last_counts
-    if last is not None and last[0] is counts:
+def _of_pass(kind: str, values: list[Any]) -> torch.Tensor:
+    """``values`` as int64 (a list of tuples: transposed), the last pass's tensor again when
+    its layers hand the same list (one per pass: ``SlotCache.prepare`` makes new spans, the
+    runner new row counts)."""
+    last = _last.get(kind)
+    if last is not None and last[0] is values:
         return last[1]
-    tensor = torch.tensor(counts, dtype=torch.long)
-    _last_counts = (counts, tensor)
+    rows = list(zip(*values, strict=True)) if values and isinstance(values[0], tuple) else values
+    tensor = torch.tensor(rows, dtype=torch.long)
+    _last[kind] = (values, tensor)
     return tensor
 
 
+def _row_counts(counts: list[int]) -> torch.Tensor:
+    return _of_pass("row_counts", counts)
+
+
 def _span_table(spans: list[tuple[int, int]]) -> torch.Tensor:
-    """Offsets, then lengths, as int64 ``[2, batch]``; the last pass's table again when its
-    layers hand the same list (one per pass: ``SlotCache.prepare`` makes a new one)."""
-    global _last
-    last = _last
-    if last is not None and last[0] is spans:
-        return last[1]
-    table = torch.tensor(list(zip(*spans, strict=True)), dtype=torch.long)
-    _last = (spans, table)
-    return table
+    """Offsets, then lengths, as int64 ``[2, batch]``."""
+    return _of_pass("spans", spans)
 
 
 def _applies(
