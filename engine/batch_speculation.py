@@ -134,7 +134,7 @@ class BatchSpeculation:
         at_batch, plain_rows = _at_batch(self.steps, batch), batch - len(present)
         own = allocate(present, at_batch, plain_rows)
         speculations = [seq.speculation for seq in sequences if seq.speculation is not None]
-        if self.last is not None:
+        if self.last is not None and any(c.cap > 0 and c.forced is None for c in present):
             # The last step's lengths (0 for a sequence new to the batch) are kept unless the
             # new ones beat them by the margin.
             kept = [
@@ -249,6 +249,8 @@ def allocate(
     costs its rows, so a sequence whose proposals are right speculates beside others whose
     are not, which propose nothing."""
     ks = [c.proposes(0) for c in candidates]
+    if all(c.forced is not None or c.cap == 0 for c in candidates):
+        return ks  # nothing to choose: a fixed k is its own, a cap of 0 proposes nothing
     fed = plain_rows + len(candidates)
     if pass_seconds(fed + sum(ks)) is None:
         return [c.proposes(c.cap) for c in candidates]  # nothing measured: all cost the same

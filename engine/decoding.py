@@ -56,7 +56,7 @@ class Speculation:
 
     def _hint(self, context: list[int]) -> None:
         if isinstance(self.proposer, RunHinting):
-            self.length.hinted_reach = self.proposer.expected_run(context)
+            self.length.hint = self.proposer.expected_run(context)
 
 
 def record_proposal_cost(costs: PassCosts, proposer: Proposer, seconds: float, tokens: int) -> None:

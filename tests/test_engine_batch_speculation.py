@@ -207,3 +207,54 @@ def test_a_request_that_ended_alone_leaves_the_next_one_a_fresh_choice() -> None
     ending = Sequence(fresh.speculation, 0, 1)  # one token left: it may propose none
     assert chooser.lengths([ending]) == [0]
     assert chooser.lengths([fresh]) == BatchSpeculation(steps).lengths([fresh]) == [1]
+
+
+def quoting_and_chat_history() -> RunLengths:
+    """N-gram lookup's steps as the demo target's replies show them (``hint_bucket``): sixty
+    where the copy so far was one token long, all rejected at once, and ten where it was twenty
+    tokens long, all eight proposed tokens accepted. Together: one step in seven right."""
+    history = RunLengths(16)
+    for _ in range(60):
+        history.record(4, 0, hint=1)
+    for _ in range(10):
+        history.record(8, 8, hint=20)
+    return history
+
+
+def test_a_sequence_far_into_a_copy_speculates_beside_seven_that_are_not() -> None:
+    # At batch 8 a proposed row costs a third of a plain row (measured: a sequence verifying 4
+    # tokens beside 7 plain ones made the step about an eighth dearer).
+    steps = two_core_steps(per_row=0.004)
+    history = quoting_and_chat_history()
+    seqs = [ngram(steps, history, prior=0.2) for _ in range(8)]
+    for i, seq in enumerate(seqs):
+        assert seq.speculation is not None
+        seq.speculation.length.hint = 20 if i == 7 else 1
+    chosen = BatchSpeculation(steps).lengths(seqs)
+    assert chosen[:7] == [0] * 7 and chosen[7] >= 4, chosen
+
+
+def test_the_curve_of_a_hint_comes_from_the_steps_with_hints_like_it() -> None:
+    history = quoting_and_chat_history()
+    length = SpeculationLength(16, 0.2, PassCosts(), "ngram", history)
+    length.hint = 20
+    far = length.survival()
+    length.hint = 1
+    near = length.survival()
+    length.hint = None  # a proposer without hints: every step alike
+    pooled = length.survival()
+    assert far[0] > 0.6 and far[7] > 0.5
+    assert near[0] < 0.1 < pooled[0] < far[0]
+
+
+def test_nothing_to_propose_is_neither_a_plain_step_nor_a_probe() -> None:
+    steps = two_core_steps()
+    seq = ngram(steps, chat_history(), prior=0.1)
+    assert seq.speculation is not None
+    length = seq.speculation.length
+    length.hint = 0  # n-gram lookup found no match
+    chooser = BatchSpeculation(steps)
+    for _ in range(4 * length.PROBE_AFTER_PLAIN_STEPS):
+        assert chooser.lengths([seq]) == [0]
+        assert length.choose() == 0
+    assert length.plain_steps == 0 and length.candidate().cap == 0

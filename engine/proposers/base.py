@@ -79,10 +79,12 @@ class Proposer(Protocol):
 class RunHinting(Protocol):
     """A proposer that can tell from the committed sequence how many tokens it expects to get
     right from there (n-gram lookup: the length of the copy in progress), so that adaptive k
-    may look that far ahead before a run of that length has been seen."""
+    may look that far ahead before a run of that length has been seen, and judges its
+    acceptance by the steps that had a hint like it (``engine.adaptive.hint_bucket``)."""
 
     def expected_run(self, context: list[int]) -> int:
-        """Tokens the proposer expects to get right after ``context``; 0 for no evidence."""
+        """Tokens the proposer expects to get right after ``context``; 0 where it would
+        propose nothing (adaptive k then proposes nothing, and does not count a plain step)."""
 
 
 @runtime_checkable

@@ -68,12 +68,19 @@ class SuffixIndex:
         self._starts: dict[tuple[int, ...], array[int]] = {}
         self._match: Match | None = None
         self._matched_size = -1  # the sequence length ``_match`` was found at
+        # The list last indexed. The engine's sequences only ever grow, in place, so that
+        # same list is taken to extend what was indexed without comparing it again (twice a
+        # step, up to 8,000 tokens each time): had a caller changed it otherwise, proposals
+        # would be worse, never the output, which verification decides.
+        self._followed: list[int] | None = None
 
     def follow(self, context: list[int]) -> None:
         """Index ``context`` (usually what was indexed so far and a few tokens more)."""
         size = len(self.tokens)
-        if len(context) < size or context[:size] != self.tokens:
+        extends = context is self._followed and len(context) >= size
+        if not extends and (len(context) < size or context[:size] != self.tokens):
             self.tokens, self._starts, self._matched_size, size = [], {}, -1, 0
+        self._followed = context
         tokens = self.tokens
         tokens.extend(context[size:])
         starts = self._starts
