@@ -334,6 +334,11 @@ class Candidate:
     tokens_left: int = 1
     proposal_seconds: float = 0.0  # per proposal, whatever its length (``record_proposal``)
 
+    @property
+    def chooses(self) -> bool:
+        """Whether its length is chosen: not fixed, and it may propose at all."""
+        return self.forced is None and self.cap > 0
+
     def proposes(self, k: int) -> int:
         return self.forced if self.forced is not None else min(k, self.cap)
 

@@ -134,7 +134,7 @@ class BatchSpeculation:
         at_batch, plain_rows = _at_batch(self.steps, batch), batch - len(present)
         own = allocate(present, at_batch, plain_rows)
         speculations = [seq.speculation for seq in sequences if seq.speculation is not None]
-        if self.last is not None and any(c.cap > 0 and c.forced is None for c in present):
+        if self.last is not None and any(c.chooses for c in present):
             # The last step's lengths (0 for a sequence new to the batch) are kept unless the
             # new ones beat them by the margin.
             kept = [
@@ -153,7 +153,7 @@ class BatchSpeculation:
         lengths = iter(own)
         chosen = [0 if c is None else next(lengths) for c in candidates]
         adaptive = [
-            i for i, c in enumerate(candidates) if c is not None and c.forced is None and c.cap > 0
+            i for i, c in enumerate(candidates) if c is not None and c.chooses
         ]
         for i in adaptive:
             # After a fully accepted step a sequence looks one token further (as alone), only
@@ -249,7 +249,7 @@ def allocate(
     costs its rows, so a sequence whose proposals are right speculates beside others whose
     are not, which propose nothing."""
     ks = [c.proposes(0) for c in candidates]
-    if all(c.forced is not None or c.cap == 0 for c in candidates):
+    if not any(c.chooses for c in candidates):
         return ks  # nothing to choose: a fixed k is its own, a cap of 0 proposes nothing
     fed = plain_rows + len(candidates)
     if pass_seconds(fed + sum(ks)) is None:
