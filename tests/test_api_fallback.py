@@ -1,7 +1,8 @@
 """Fallback behind the gateway judges whether speculation pays: n-gram lookup at about 40 %
 acceptance of long proposals stays on (it costs next to nothing, so it still pays), while a
-draft model at about 40 % whose pass costs as much as the target's is switched off, with
-the figures of that decision in the audit log and in /metrics."""
+draft model at about 40 %, whose pass costs about a target pass, is switched off by the 60 %
+rule that model-based proposers keep, with the figures of that decision in the audit log and
+in /metrics."""
 
 from __future__ import annotations
 
@@ -98,7 +99,11 @@ def test_cheap_ngram_stays_on_and_a_costly_draft_goes_off_at_the_same_acceptance
     [event] = [e for e in fallback_events(live) if e["method"] == "draft"]
     assert event["action"] == "disabled" and event["threshold"] == 0.6
     assert 0.2 < event["acceptance_rate"] < 0.6
-    assert event["cost_ratio"] > 0.5  # a draft pass costs about a target pass
-    assert event["speedup_estimate"] < 1.0 and event["min_speedup"] == 1.0
+    assert "below 0.600" in event["reason"]  # the acceptance rule, a count, decided
+    # The timed figures are recorded beside it; their values depend on how busy the machine
+    # is (CI once measured a cost ratio of 0.44), so only test_engine_fallback, with pass
+    # costs it sets, asserts them.
+    assert event["cost_ratio"] > 0 and event["speedup_estimate"] > 0
+    assert event["min_speedup"] == 1.0
     assert disabled_gauge(live, "draft") == 1
     assert disabled_gauge(live, "ngram") == 0

@@ -145,6 +145,11 @@ def test_a_stalled_request_commit_serves_no_byte_cancels_the_engine_and_records_
                 received.append(piece)
         answer["seconds"] = time.monotonic() - started
 
+    # The key check must not need the store that is about to stall: a lookup just before the
+    # pause puts the key in the cache for key_cache_ttl_s (else, after a slow earlier test,
+    # authentication itself waits on the paused store and the engine never sees the request).
+    warm = httpx.get(gateway.base_url + "/v1/models", headers=_headers(gateway), timeout=30)
+    assert warm.status_code == 200, warm.text
     own_pg.pause()
     try:
         asker = threading.Thread(target=ask)
