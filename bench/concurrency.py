@@ -33,7 +33,11 @@ target's weights, in the dtype the local engine serves them in (``--dtype``, by 
 engine's own choice, ``auto``), after the local app has stopped (the two never share the
 cores), and runs the same clients over the same mix against it, plain decoding, as many
 repeats: points with ``"server": "vllm"``, and per number of clients the median local plain
-tokens/s over vLLM's. Another server plugs in instead of the local app with ``--base-url URL
+tokens/s over vLLM's. vLLM runs without its prefix cache (``--no-enable-prefix-caching``)
+unless ``--vllm-prefix-caching``: every client cycles through the same few prompts, so a
+prefix cache skips most of vLLM's prefill work from the second request of a prompt on, and the
+built-in engine has no prefix cache; like for like, neither side reuses another request's
+cache. Another server plugs in instead of the local app with ``--base-url URL
 --api-key KEY --model NAME``.
 """
 
@@ -397,7 +401,10 @@ def vllm_sweep(
 ) -> tuple[dict[str, object], list[Point]]:
     """vLLM's CPU build on ``target``'s weights in ``dtype``, the same clients and mix,
     plain decoding."""
-    server = VllmServer(target, "bench-vllm", scratch / "vllm.log", dtype=dtype)
+    server = VllmServer(
+        target, "bench-vllm", scratch / "vllm.log", dtype=dtype,
+        prefix_caching=args.vllm_prefix_caching,
+    )
     if args.port:  # the port after the local app's
         server.port = args.port + 1
     with running(server):
@@ -406,6 +413,7 @@ def vllm_sweep(
     return {
         "vllm_dtype": dtype,
         "vllm_command": " ".join(server.command()[1:]),
+        "vllm_prefix_caching": args.vllm_prefix_caching,
         "vllm_startup_s": round(server.startup_s, 1),
         "vllm_load_average_1m": round(os.getloadavg()[0], 2),
         "vllm_points": [asdict(point) for point in points],
@@ -438,6 +446,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--vllm", action="store_true", help="also sweep vLLM's CPU build on the same weights"
+    )
+    parser.add_argument(
+        "--vllm-prefix-caching",
+        action="store_true",
+        help="run vLLM with its prefix cache, as deployed (by default it is off, like for like)",
     )
     parser.add_argument("--base-url", help="bench another OpenAI server instead (e.g. vLLM)")
     parser.add_argument("--api-key", default="none")

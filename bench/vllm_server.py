@@ -61,8 +61,9 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     # CPUs to run every process of the server on (``taskset -c``), e.g. "0"; None: all.
     cpus: str | None = None
-    # Off in side-by-side runs: the same prompts go through the gateway and then directly, and
-    # a prefix cache warmed by the first would favour the second.
+    # Off in side-by-side runs (the same prompts go through the gateway and then directly, and
+    # a prefix cache warmed by the first would favour the second) and in the concurrency sweep
+    # unless asked (its clients repeat prompts; the built-in engine has no prefix cache).
     prefix_caching: bool = True
     # OpenMP's waiting in vLLM's processes; None: vLLM's own default (libgomp's spinning), not
     # the ``OMP_WAIT_POLICY=PASSIVE`` that importing ``engine`` sets in this process for our
