@@ -145,9 +145,13 @@ def test_a_stalled_request_commit_serves_no_byte_cancels_the_engine_and_records_
                 received.append(piece)
         answer["seconds"] = time.monotonic() - started
 
-    # The key check must not need the store that is about to stall: a lookup just before the
-    # pause puts the key in the cache for key_cache_ttl_s (else, after a slow earlier test,
-    # authentication itself waits on the paused store and the engine never sees the request).
+    # The key check must not need the store that is about to stall: a fresh lookup just
+    # before the pause keeps the key in the cache for key_cache_ttl_s (else, after a slow
+    # earlier test, authentication itself waits on the paused store and the engine never
+    # sees the request). An entry still cached is dropped first: it may be about to expire.
+    cached = services.key_cache.get(gateway.keys["app"])
+    if cached is not None:
+        services.key_cache.forget(cached.key_id)
     warm = httpx.get(gateway.base_url + "/v1/models", headers=_headers(gateway), timeout=30)
     assert warm.status_code == 200, warm.text
     own_pg.pause()
