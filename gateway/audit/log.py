@@ -566,7 +566,7 @@ class AuditLog:
             try:
                 return self._checkpoint()
             except TamperDetectedError as error:
-                self._alarm(error)
+                self.raise_alarm(error)
                 raise
             except SQLAlchemyError as exc:
                 raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
@@ -694,7 +694,7 @@ class AuditLog:
             return expected, f"event {expected} is missing"
         return None
 
-    def _alarm(self, error: TamperDetectedError) -> None:
+    def raise_alarm(self, error: TamperDetectedError) -> None:
         """tamper_detected: error log, the hook (a metric), an audit event; from now on no
         checkpoint is signed and ``integrity_ok`` is False."""
         self.tamper = error
@@ -1011,5 +1011,5 @@ class AuditLog:
         report = verify_export(lines, self.signer.public_key_pem(), mac=self._mac)
         if not report.ok:
             with self._checkpoint_lock:
-                self._alarm(TamperDetectedError(report.first_bad_seq, report.reason))
+                self.raise_alarm(TamperDetectedError(report.first_bad_seq, report.reason))
         return report
