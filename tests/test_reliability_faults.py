@@ -30,7 +30,7 @@ from gateway.audit.log import AppendedEvent, AuditLog, AuditUnavailableError
 from gateway.audit.loop_append import LoopAppender, libpq_conninfo
 from gateway.audit.mac import EventMac
 from gateway.audit.schema import audit_events
-from gateway.audit.signing import CheckpointSigner
+from gateway.audit.signing import CheckpointSigner, load_or_create_private_key, public_key_pem
 from gateway.db import DatabaseTimeouts, make_db_engine, upgrade_database
 from gateway.keys import KeyStore
 from gateway.offload import Offload
@@ -50,6 +50,10 @@ from tests.tiny_models import build_pair
 MODEL = "target"
 # A 503 must come within the audit bound plus the connect timeout's worth of slack.
 ANSWER_BOUND_S = AUDIT_TIMEOUT_S + 3.0
+# /readyz's one bound for all its database checks, and the slack for the HTTP round trip and
+# the event loop's turns on a busy 2-core machine.
+READY_TIMEOUT_S = 3.0
+READY_SLACK_S = 1.0
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 LONG = {**CHAT, "max_tokens": 300, "temperature": 0, "stream": True}
 
@@ -149,6 +153,37 @@ def test_stalled_database_gives_bounded_503s_while_the_engine_keeps_decoding(
     assert requests == set(answered)
     assert httpx.get(gateway.base_url + "/readyz", timeout=30).status_code == 200
     _verify(gateway)
+
+
+def test_readyz_answers_503_within_one_audit_bound_in_a_stall(
+    own_pg: PgInstance, models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """/readyz pings the store and, with a witness age bound, reads the newest cosignature:
+    two database calls, which a stall holds both; the whole check answers within one
+    ``audit_timeout_s``."""
+    witness = tmp_path_factory.mktemp("readyz-witness")
+    key = load_or_create_private_key(witness / "witness-key.pem")
+    (witness / "witness.pem").write_bytes(public_key_pem(key.public_key()))
+    with gateway_on(
+        own_pg,
+        models,
+        tmp_path_factory,
+        "readyz",
+        audit_timeout_s=READY_TIMEOUT_S,
+        witness_public_key_path=witness / "witness.pem",
+        witness_max_age_s=600.0,
+    ) as live:
+        httpx.get(live.base_url + "/readyz", timeout=30)  # the pool's connections are open
+        own_pg.pause()
+        try:
+            started = time.monotonic()
+            ready = httpx.get(live.base_url + "/readyz", timeout=60)
+            ready_s = time.monotonic() - started
+        finally:
+            own_pg.resume()
+    assert ready.status_code == 503, ready.text
+    assert ready.json()["checks"]["audit_store"] is False
+    assert ready_s < READY_TIMEOUT_S + READY_SLACK_S, ready_s
 
 
 def test_completions_and_fallbacks_during_an_outage_are_spooled_and_committed_in_order(

@@ -4,6 +4,8 @@ cosignature). Unauthenticated, for orchestrators' probes."""
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -37,15 +39,28 @@ async def _audit_integrity(services: Services) -> bool:
         return False
 
 
+async def _audit_checks(services: Services | None) -> tuple[bool, bool]:
+    """Reachability and integrity, asked at the same time: each call gives up after
+    ``audit_timeout_s``, so the two together do too (one after the other, a stall held the
+    probe for twice the bound)."""
+    if services is None:
+        return False, False
+    reachable, integrity = await asyncio.gather(
+        _audit_reachable(services), _audit_integrity(services)
+    )
+    return reachable, integrity
+
+
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
     services: Services | None = request.app.state.services
+    reachable, integrity = await _audit_checks(services)
     checks = {
         "engine": services is not None
         and not services.lifecycle.stopping
         and services.backend.health().ready,
-        "audit_store": services is not None and await _audit_reachable(services),
-        "audit_integrity": services is not None and await _audit_integrity(services),
+        "audit_store": reachable,
+        "audit_integrity": integrity,
     }
     notes = serving_notes(services.settings, services.backend.card) if services else []
     if all(checks.values()):
