@@ -169,27 +169,64 @@ class TextPart(_Strict):
     text: str
 
 
+class RefusalPart(_Strict):
+    """An assistant's refusal as a content part (OpenAI's assistant messages may carry one);
+    like the message's ``refusal`` it is not rendered into the prompt."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+
+
+def _returned(description: str) -> Any:
+    """A field that OpenAI's response objects carry and the ``openai`` client dumps with a
+    reply: accepted back in a request so a reply can be the next turn, never used, and left
+    out of the request's stored content."""
+    return Field(default=None, exclude=True, description=description)
+
+
 class FunctionCall(_Strict):
+    """A call's function. Extra fields stay refused (a misspelt one is a 400), except
+    ``parsed_arguments``, which the client's ``stream()``/``parse()`` helpers add."""
+
     name: str = Field(pattern=TOOL_NAME_PATTERN)
     arguments: str
+    parsed_arguments: Any = _returned("Added by the openai client's helpers; ignored.")
 
 
 class ToolCall(_Strict):
+    """A tool call in an assistant message. Extra fields stay refused, except ``index``,
+    which a call reassembled from a stream keeps."""
+
     id: str = Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = _returned("A streamed call's position; ignored.")
 
 
 class ChatMessage(_Strict):
     """A message; an assistant turn may carry ``tool_calls`` and no content, a ``tool``
-    message answers the call named by ``tool_call_id``."""
+    message answers the call named by ``tool_call_id``.
+
+    Every field of OpenAI's assistant message (request and response types alike) is
+    declared, so a reply dumped by a client goes back as the next turn: ``annotations`` and
+    the ``parse()`` helper's ``parsed`` are ignored, ``audio`` and the legacy
+    ``function_call`` are accepted as null (Specgate produces neither). Any other field stays
+    refused, so a misspelt one is a 400 naming it rather than silently dropped.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
     refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = _returned("Citations in a reply; ignored.")
+    parsed: Any = _returned("The parse() helper's parsed content; ignored.")
+    audio: None = _returned("Null only: Specgate produces no audio.")
+    function_call: None = _returned("Null only: use tool_calls.")
 
     @model_validator(mode="after")
     def _shape(self) -> ChatMessage:
@@ -202,6 +239,12 @@ class ChatMessage(_Strict):
             raise ValueError("only assistant messages carry tool_calls")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("tool messages, and only they, carry tool_call_id")
+        if (
+            self.role != "assistant"
+            and isinstance(self.content, list)
+            and any(isinstance(part, RefusalPart) for part in self.content)
+        ):
+            raise ValueError("only assistant messages carry refusal parts")
         return self
 
     def text(self) -> str:
@@ -209,7 +252,7 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
 class FunctionDefinition(_Strict):

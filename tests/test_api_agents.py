@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field
 from engine.chat import HERMES_TOOL_PROMPT
 from gateway.audit.schema import audit_events
 from gateway.backends import local as local_backend
+from gateway.schemas import ChatMessage, FunctionCall, ToolCall
 from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
 from tests.test_api_gateway import events
 from tests.tiny_models import build_model, build_noisy_copy, build_tokenizer
@@ -471,3 +472,119 @@ def test_a_template_that_knows_tools_renders_them_itself_through_the_tool_loop(
     arguments = json.dumps(json.loads(call.function.arguments), ensure_ascii=False)
     assert f'{{"name": "get_weather", "arguments": {arguments}}}' in rendered[1]
     assert '<tool_response>\n{"temp_c": 12}\n</tool_response>' in rendered[1]
+
+
+# Sending a reply back as the next turn: what the ``openai`` client's objects dump (fields the
+# gateway never fills, as null, and the helpers' own additions) is accepted and ignored.
+FOLLOW_UP = {"role": "user", "content": "And then?"}
+
+
+def _next_turn(client: openai.OpenAI, messages: list[Any], **extra: Any) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **extra)
+    assert reply.choices[0].message.content is not None
+
+
+def _tool_result(message: Any) -> dict[str, Any]:
+    call = message.tool_calls[0]
+    return {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 12}'}
+
+
+def test_a_plain_reply_goes_back_as_the_next_turn(client: openai.OpenAI) -> None:
+    question: Any = {"role": "user", "content": "Hello?"}
+    reply = client.chat.completions.create(model=MODEL, messages=[question], max_tokens=4)
+    dumped = reply.choices[0].message.model_dump()
+    assert {"annotations", "refusal", "audio", "function_call"} <= dumped.keys()
+    _next_turn(client, [question, dumped, FOLLOW_UP])
+
+
+def test_a_forced_tool_call_goes_back_as_the_next_turn(client: openai.OpenAI) -> None:
+    question: Any = {"role": "user", "content": "Weather in Bern?"}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[question], tools=[WEATHER], tool_choice=NAMED, max_tokens=80
+    )
+    message = reply.choices[0].message
+    _next_turn(client, [question, message.model_dump(), _tool_result(message)], tools=[WEATHER])
+
+
+def test_the_stream_helpers_final_message_goes_back_as_the_next_turn(
+    client: openai.OpenAI,
+) -> None:
+    question: Any = {"role": "user", "content": "Weather?"}
+    with client.chat.completions.stream(
+        model=MODEL,
+        messages=[question],
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+    ) as stream:
+        message = stream.get_final_completion().choices[0].message
+    dumped = message.model_dump()
+    assert {"index", "function"} <= dumped["tool_calls"][0].keys()
+    assert "parsed_arguments" in dumped["tool_calls"][0]["function"]
+    _next_turn(client, [question, dumped, _tool_result(message)], tools=[WEATHER])
+
+
+def test_a_parsed_structured_reply_goes_back_as_the_next_turn(client: openai.OpenAI) -> None:
+    question: Any = {"role": "user", "content": "Who?"}
+    reply = client.chat.completions.parse(
+        model=MODEL, messages=[question], response_format=Person, max_tokens=120, temperature=0
+    )
+    dumped = reply.choices[0].message.model_dump()
+    assert isinstance(dumped["parsed"], dict)
+    _next_turn(client, [question, dumped, FOLLOW_UP])
+
+
+def test_every_field_of_openais_message_types_is_a_field_of_a_request_message() -> None:
+    from openai.types.chat import ChatCompletionAssistantMessageParam, ParsedChatCompletionMessage
+    from openai.types.chat.parsed_function_tool_call import ParsedFunction, ParsedFunctionToolCall
+
+    assistant = set(ChatCompletionAssistantMessageParam.__annotations__)
+    assert assistant | set(ParsedChatCompletionMessage.model_fields) <= set(
+        ChatMessage.model_fields
+    )
+    assert set(ParsedFunctionToolCall.model_fields) | {"index"} <= set(ToolCall.model_fields)
+    assert set(ParsedFunction.model_fields) <= set(FunctionCall.model_fields)
+
+
+def test_a_misspelt_message_field_is_still_refused(gateway: LiveGateway) -> None:
+    reply = httpx.post(
+        gateway.base_url + "/v1/chat/completions",
+        headers={"authorization": f"Bearer {gateway.keys['app']}"},
+        json={"model": MODEL, "messages": [{"role": "user", "contents": "x"}], "max_tokens": 4},
+        timeout=60,
+    )
+    assert reply.status_code == 400
+    assert "messages[0].contents" in reply.json()["error"]["message"]
+
+
+def test_fields_sent_back_are_ignored_and_left_out_of_the_stored_messages() -> None:
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "index": 0,
+        "function": {"name": "f", "arguments": "{}", "parsed_arguments": {}},
+    }
+    message = ChatMessage.model_validate(
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "ok"}, {"type": "refusal", "refusal": "no"}],
+            "tool_calls": [call],
+            "annotations": [{"type": "url_citation", "url_citation": {"url": "https://x"}}],
+            "parsed": {"name": "x"},
+            "audio": None,
+            "function_call": None,
+        }
+    )
+    stored = message.model_dump(exclude_none=True)
+    assert message.text() == "ok"
+    assert stored.keys() == {"role", "content", "tool_calls"}
+    assert stored["tool_calls"][0] == {
+        "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="only assistant messages carry refusal parts"):
+        ChatMessage.model_validate(
+            {"role": "user", "content": [{"type": "refusal", "refusal": ""}]}
+        )
+    with pytest.raises(ValueError, match="audio"):
+        ChatMessage.model_validate({"role": "assistant", "content": "a", "audio": {"id": "x"}})
