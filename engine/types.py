@@ -27,7 +27,8 @@ MAX_TOP_LOGPROBS = 20
 class Constraint:
     """What the output must match (constrained decoding, ``engine.logits_processors``).
 
-    ``spec`` is the JSON schema's canonical JSON text (``json_schema``; ``"{}"`` for
+    ``spec`` is the JSON schema's compact JSON text, keys in the order the request gave them
+    (``json_schema``: the output's keys follow the order of ``properties``; ``"{}"`` for
     ``json_object``, any JSON object), the regular expression (``regex``), a JSON list of the
     allowed strings (``choice``) or an EBNF grammar in xgrammar's dialect (``grammar``).
     """

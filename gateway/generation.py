@@ -318,12 +318,12 @@ def constraint(
             found.append(("response_format", Constraint("json_object", "{}")))
         elif isinstance(fmt, ResponseFormatJsonSchema):
             schema = fmt.json_schema.schema_ or {"type": "object"}
-            found.append(("response_format", Constraint("json_schema", _canonical(schema))))
+            found.append(("response_format", Constraint("json_schema", _schema_json(schema))))
         if tools is not None and tools.mode == "named" and tools.named is not None:
             schema = _parameters(body, tools.named)
-            found.append(("tool_choice", Constraint("json_schema", _canonical(schema))))
+            found.append(("tool_choice", Constraint("json_schema", _schema_json(schema))))
         elif tools is not None and tools.mode == "required":
-            found.append(("tool_choice", Constraint("json_schema", _canonical(_calls(body)))))
+            found.append(("tool_choice", Constraint("json_schema", _schema_json(_calls(body)))))
     outputs = body.structured_outputs
     if outputs is not None:
         if outputs.json_ is not None:
@@ -376,7 +376,7 @@ def _json_constraint(schema: dict[str, Any] | str) -> Constraint:
             ) from error
     if not isinstance(schema, dict):
         raise APIError(400, "A JSON schema must be a JSON object.", param="guided_json")
-    return Constraint("json_schema", _canonical(schema))
+    return Constraint("json_schema", _schema_json(schema))
 
 
 def _calls(body: ChatCompletionRequest) -> dict[str, Any]:
@@ -399,8 +399,11 @@ def _calls(body: ChatCompletionRequest) -> dict[str, Any]:
     return schema
 
 
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+def _schema_json(schema: Any) -> str:
+    """A JSON schema as compact JSON with its keys in the order given: the order of
+    ``properties`` is the order the output's keys are generated in, so it is part of the
+    constraint (and of its grammar, its audit hash and a replay of it)."""
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 def _logit_bias(
@@ -854,6 +857,11 @@ class AuditedGeneration:
         except ShutdownError as error:
             await self.close_quietly("shutdown", str(error))
             yield _sse(_error_chunk(shutting_down(str(error))))
+            return
+        except Exception as error:  # a fault in the backend: a server error, not a disconnect
+            log.exception("stream_failed")
+            await self.close_quietly("error", str(error))
+            yield _sse(_error_chunk(from_engine_error(error)))
             return
         except BaseException:
             for handle in handles:

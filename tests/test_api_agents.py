@@ -12,6 +12,7 @@ the protocol round-trips.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -23,9 +24,11 @@ import sqlalchemy as sa
 from pydantic import BaseModel, Field
 
 from engine.chat import HERMES_TOOL_PROMPT
+from engine.grammar_text import checked_grammar
 from gateway.audit.schema import audit_events
 from gateway.backends import local as local_backend
-from gateway.schemas import ChatMessage, FunctionCall, ToolCall
+from gateway.generation import constraint
+from gateway.schemas import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
 from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
 from tests.test_api_gateway import events
 from tests.tiny_models import build_model, build_noisy_copy, build_tokenizer
@@ -588,3 +591,58 @@ def test_fields_sent_back_are_ignored_and_left_out_of_the_stored_messages() -> N
         )
     with pytest.raises(ValueError, match="audio"):
         ChatMessage.model_validate({"role": "assistant", "content": "a", "audio": {"id": "x"}})
+
+
+# Property order is part of a schema's meaning for generation: the output follows it.
+ORDERED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "reasoning": {"type": "string", "maxLength": 6},
+        "answer": {"type": "integer", "minimum": 0, "maximum": 9},
+        "zeta": {"type": "boolean"},
+        "alpha": {"type": "string", "maxLength": 4},
+    },
+    "required": ["reasoning", "answer", "zeta", "alpha"],
+    "additionalProperties": False,
+}
+
+
+def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "ordered", "schema": schema}}
+
+
+def test_json_schema_output_keeps_the_schemas_property_order(
+    client: openai.OpenAI, gateway: LiveGateway
+) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Think, then answer."}],
+        response_format=_schema_format(ORDERED_SCHEMA),  # type: ignore[arg-type]
+        max_tokens=120,
+        temperature=0,
+    )
+    content = reply.choices[0].message.content
+    assert content is not None
+    assert list(json.loads(content)) == ["reasoning", "answer", "zeta", "alpha"]
+    # The audit record hashes the schema as it was given (what a replay must run again).
+    as_given = json.dumps(ORDERED_SCHEMA, separators=(",", ":"), ensure_ascii=False)
+    recorded = events(gateway, "request")[-1].payload["sampling"]["constraint"]
+    assert recorded["sha256"] == hashlib.sha256(as_given.encode("utf-8")).hexdigest()
+
+
+def test_schemas_differing_only_in_property_order_are_different_constraints() -> None:
+    reordered = {**ORDERED_SCHEMA, "properties": dict(sorted(ORDERED_SCHEMA["properties"].items()))}
+    constraints = [
+        constraint(
+            ChatCompletionRequest(
+                model=MODEL,
+                messages=[ChatMessage(role="user", content="x")],
+                response_format=_schema_format(schema),  # type: ignore[arg-type]
+            ),
+            None,
+        )
+        for schema in (ORDERED_SCHEMA, reordered)
+    ]
+    (_, first), (_, second) = constraints  # type: ignore[misc]
+    assert first != second
+    assert checked_grammar(first) != checked_grammar(second)
