@@ -41,6 +41,8 @@ _DESCRIPTIONS = {
     503: "The audit store or the engine is unavailable, or the gateway is shutting down.",
 }
 _AUTHENTICATED = (400, 401, 403, 503)
+# Unauthenticated paths (gateway/routes/health.py): only /readyz has an error status.
+_PROBES = ("/healthz", "/livez", "/health", "/version", "/readyz")
 _BODY = (408, 413)
 # Statuses beyond the authenticated set, per (method, path).
 _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
@@ -87,7 +89,7 @@ def truthful_openapi(app: FastAPI) -> dict[str, Any]:
             responses = operation["responses"]
             responses.pop("422", None)
             key = (method, path)
-            if path in ("/healthz", "/readyz"):
+            if path in _PROBES:
                 statuses: tuple[int, ...] = (503,) if path == "/readyz" else ()
             else:
                 statuses = (*_AUTHENTICATED, *_EXTRA.get(key, ()))

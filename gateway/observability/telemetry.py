@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
@@ -22,6 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from engine.types import FallbackEvent, GenerationStats, SamplingParams
+from gateway import specgate_version
 from gateway.observability.egress import (
     EgressAllowed,
     EgressAllowlist,
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 METRICS_PATH = "/metrics"
 # Paths that get no HTTP server span: scrapes and probes would drown the traces.
-UNTRACED_PATHS = ("/metrics", "/healthz", "/readyz", "/livez")
+UNTRACED_PATHS = ("/metrics", "/healthz", "/readyz", "/livez", "/health", "/version")
 
 _log = structlog.get_logger("specgate.telemetry")
 
@@ -68,13 +68,6 @@ def check_egress(settings: TelemetrySettings, environ: Mapping[str, str]) -> lis
         urls["otlp_endpoint"] = settings.otlp_endpoint
     urls.update(settings.outbound_backend_urls())
     return check_urls(urls, EgressAllowlist.parse(settings.egress_allowlist))
-
-
-def _specgate_version() -> str:
-    try:
-        return version("specgate")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 @dataclass
@@ -138,7 +131,7 @@ class Telemetry:
         env = os.environ if environ is None else environ
         allowed = check_egress(settings, env)
         target = resolve_tracing(settings.otlp_endpoint, settings.otlp_protocol, env)
-        tracing = Tracing(target, service_version=_specgate_version()) if target else None
+        tracing = Tracing(target, service_version=specgate_version()) if target else None
         _log.info(
             "telemetry started",
             tracing=target is not None,

@@ -1,5 +1,6 @@
-"""``GET /healthz`` (the process answers) and ``GET /readyz`` (it can serve: models loaded,
-audit store reachable, no audit tampering detected and, if required, a fresh witness
+"""``GET /healthz`` (the process answers; also as ``/livez`` and vLLM's ``/health``),
+``GET /version`` (vLLM's: the Specgate version) and ``GET /readyz`` (it can serve: models
+loaded, audit store reachable, no audit tampering detected and, if required, a fresh witness
 cosignature). Unauthenticated, for orchestrators' probes."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from gateway import specgate_version
 from gateway.audit.log import AuditUnavailableError
 from gateway.dependencies import Services
 from gateway.errors import error_body
@@ -18,8 +20,16 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
+@router.get("/livez")
+@router.get("/health")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    """vLLM's ``/version``: ``{"version": ...}``, here Specgate's."""
+    return {"version": specgate_version()}
 
 
 async def _audit_reachable(services: Services) -> bool:
