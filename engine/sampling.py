@@ -6,7 +6,7 @@ top-k and top-p shape both distributions identically (Leviathan et al. 2023, Che
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,8 +18,33 @@ if TYPE_CHECKING:  # engine.proposers imports this module
     from engine.proposers.base import Proposal
 
 
+# float32's smallest normal number (2**-126): logits are scaled in float32, where anything
+# smaller is imprecise (subnormal) or rounds to 0.
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
+# Dividing logits by a smaller repetition penalty overflows float32 (above 3.4e8 * penalty).
+# This one already turns a seen token's positive logit of 1e-7 or more into 1e23 or more,
+# beyond every unpenalised logit by more than float32 resolves, as any smaller one would.
+MIN_REPETITION_PENALTY = 1e-30
+
+
+def effective_sampling(params: SamplingParams) -> SamplingParams:
+    """``params`` as the engine applies them, for target and proposer alike: every value the
+    API accepts, brought to one float32 can compute with. A temperature below float32's
+    smallest normal number is greedy (0: its limit); a ``top_p`` below it is raised to it
+    (either keeps only the top token); a ``repetition_penalty`` below
+    ``MIN_REPETITION_PENALTY`` is raised to it. The additive penalties and ``logit_bias``
+    are bounded (|2 x count|, |100|), so they cannot overflow and stay as given."""
+    return replace(
+        params,
+        temperature=0.0 if params.temperature < FLOAT32_TINY else params.temperature,
+        top_p=max(params.top_p, FLOAT32_TINY),
+        repetition_penalty=max(params.repetition_penalty, MIN_REPETITION_PENALTY),
+    )
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Softmax of ``logits`` (``[..., vocab]``) after temperature, top-k and top-p, in float32.
+    """Softmax of ``logits`` (``[..., vocab]``) after temperature, top-k and top-p, in float32,
+    for ``effective_sampling`` parameters that are not greedy.
 
     A temperature so small that ``logits / temperature`` overflows float32 would give
     ``inf - inf = NaN``; then the logits are shifted by their maximum first (softmax is
@@ -38,9 +63,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = before >= params.top_p
-        # A top_p below float32's smallest value rounds to 0 and would drop every token.
-        drop_sorted[..., 0] = False
+        drop_sorted = before >= params.top_p  # never the first: its ``before`` is 0
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.softmax(scaled, dim=-1)

@@ -12,7 +12,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from engine.output import OutputAssembler
 from engine.packed_linear import pack_linear_weights
 from engine.proposers import Proposer
 from engine.proposers.base import ShapeAdapting
+from engine.sampling import effective_sampling
 from engine.scheduler import ActiveSequence, BatchLimits, BatchScheduler, annotate, reservation
 from engine.types import (
     MAX_SPECULATIVE_TOKENS,
@@ -277,6 +278,8 @@ class Engine:
         if self._closed:
             raise EngineClosedError("engine is shut down")
         self._validate(request)
+        # Applied once here, so the target's and the proposers' sides see the same values.
+        request = replace(request, sampling=effective_sampling(request.sampling))
         constraint = request.sampling.constraint
         compiled = request.compiled
         if constraint is None:

@@ -22,8 +22,12 @@ import httpx
 import pytest
 import sqlalchemy as sa
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from engine.sampling import probabilities
+from engine.logits_processors import LogitsProcessing
+from engine.sampling import effective_sampling, probabilities
+from engine.service import Engine
 from engine.types import SamplingParams
 from gateway.audit.schema import audit_events
 from gateway.db import upgrade_database
@@ -69,7 +73,14 @@ def _post(client: httpx.Client, gateway: LiveGateway, body: Any) -> httpx.Respon
     )
 
 
-# --- sampling parameters that underflow ---------------------------------------------------
+# --- sampling parameters that underflow or overflow ---------------------------------------
+
+
+def _next_token_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What the engine draws from: one-hot at the argmax when greedy, else ``probabilities``."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    return probabilities(logits, params)
 
 
 @pytest.mark.parametrize(
@@ -77,6 +88,8 @@ def _post(client: httpx.Client, gateway: LiveGateway, body: Any) -> httpx.Respon
     [
         SamplingParams(temperature=1e-39),
         SamplingParams(temperature=1e-45),
+        SamplingParams(temperature=1e-46),
+        SamplingParams(temperature=5e-324),
         SamplingParams(temperature=1.0, top_p=1e-46),
         SamplingParams(temperature=1e-40, top_p=1e-46, top_k=3),
     ],
@@ -85,8 +98,7 @@ def test_underflowing_sampling_parameters_give_the_greedy_distribution(
     params: SamplingParams,
 ) -> None:
     logits = torch.tensor([[0.5, -3.0, 2.25, 1.0], [-8.0, -9.0, -7.5, -20.0]])
-    probs = probabilities(logits, params)
-    assert torch.isfinite(probs).all()
+    probs = _next_token_distribution(logits, effective_sampling(params))
     expected = torch.zeros_like(probs)
     expected[0, 2] = expected[1, 2] = 1.0
     assert torch.equal(probs, expected)
@@ -94,33 +106,165 @@ def test_underflowing_sampling_parameters_give_the_greedy_distribution(
 
 def test_ordinary_temperatures_keep_their_exact_distribution() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    for temperature in (0.05, 0.7, 1.0, 2.0):
-        got = probabilities(logits, SamplingParams(temperature=temperature))
-        assert torch.equal(got, torch.softmax(logits / temperature, dim=-1))
+    for temperature in (1e-30, 0.05, 0.7, 1.0, 2.0):
+        params = effective_sampling(SamplingParams(temperature=temperature))
+        assert params.temperature == temperature
+        got = probabilities(logits, params)
+        if temperature >= 0.05:  # the smallest would overflow unshifted: it is shifted first
+            assert torch.equal(got, torch.softmax(logits / temperature, dim=-1))
 
 
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("sampling", [{"temperature": 1e-39}, {"top_p": 1e-46}])
-def test_tiny_temperature_or_top_p_is_served_on_a_reused_connection(
-    gateway: LiveGateway, sampling: dict[str, float], stream: bool
+VOCAB = 6
+# Each parameter over its whole documented range, subnormals and the bounds included.
+_temperatures = st.floats(min_value=0.0, max_value=2.0, allow_subnormal=True)
+_top_ps = st.floats(min_value=0.0, max_value=1.0, exclude_min=True, allow_subnormal=True)
+_additive_penalties = st.floats(min_value=-2.0, max_value=2.0, allow_subnormal=True)
+_repetition_penalties = st.floats(
+    min_value=0.0, max_value=2.0, exclude_min=True, allow_subnormal=True
+)
+_bias_values = st.floats(min_value=-100.0, max_value=100.0, allow_subnormal=True)
+_biases = st.lists(st.tuples(st.integers(0, VOCAB - 1), _bias_values), max_size=VOCAB)
+_logits = st.lists(
+    st.floats(min_value=-1e4, max_value=1e4, allow_subnormal=True, width=32),
+    min_size=VOCAB,
+    max_size=VOCAB,
+)
+_token_ids = st.lists(st.integers(0, VOCAB - 1), max_size=8)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    logits=_logits,
+    temperature=_temperatures,
+    top_p=_top_ps,
+    top_k=st.integers(0, VOCAB),
+    presence=_additive_penalties,
+    frequency=_additive_penalties,
+    repetition=_repetition_penalties,
+    bias=_biases,
+    prompt=_token_ids,
+    output=_token_ids,
+    path=_token_ids,
+)
+def test_every_documented_sampling_parameter_gives_finite_valid_probabilities(
+    logits: list[float],
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    presence: float,
+    frequency: float,
+    repetition: float,
+    bias: list[tuple[int, float]],
+    prompt: list[int],
+    output: list[int],
+    path: list[int],
 ) -> None:
-    greedy = {**CHAT, "temperature": 0}
-    with httpx.Client(timeout=30) as client:
-        expected = _post(client, gateway, greedy).json()["choices"][0]["message"]["content"]
-        response = _post(client, gateway, {**CHAT, **sampling, "stream": stream})
-        assert response.status_code == 200, response.text
-        if stream:
-            lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
-            assert lines[-1] == "data: [DONE]"
-            chunks = [json.loads(line[6:]) for line in lines[:-1]]
-            text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-        else:
-            text = response.json()["choices"][0]["message"]["content"]
-        if "temperature" in sampling:
-            assert text == expected  # the limit of temperature -> 0 is greedy
-        # The same keep-alive connection serves the next request.
-        assert _post(client, gateway, CHAT).status_code == 200
+    """The engine's sampling path (effective parameters, logits processors, then temperature,
+    top-k and top-p) gives finite logits and a probability distribution for every value the
+    API accepts; the draft proposer runs the same path, so speculation stays lossless."""
+    params = effective_sampling(
+        SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            logit_bias=tuple(bias),
+        )
+    )
+    processing = LogitsProcessing(params, prompt, VOCAB, frozenset(), torch.device("cpu"))
+    processing.commit(output)
+    processed = processing.apply(torch.tensor([logits]), [path])
+    assert torch.isfinite(processed).all(), processed
+    probs = _next_token_distribution(processed, params)
+    assert torch.isfinite(probs).all() and (probs >= 0).all(), probs
+    assert abs(float(probs.sum()) - 1.0) < 1e-5, probs
+    torch.multinomial(probs, 1)  # what failed on NaN: "probability tensor contains ... nan"
 
+
+EXTREME_SAMPLING = [
+    {"temperature": 1e-300},
+    {"temperature": 1e-46},
+    {"temperature": 5e-324},
+    {"temperature": 1e-39},
+    {"top_p": 1e-46},
+    {"repetition_penalty": 5e-324},
+    {"repetition_penalty": 1e-46},
+    {"repetition_penalty": 1e-39},
+]
+COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
+
+
+def _generated_text(response: httpx.Response, route: str, stream: bool) -> str:
+    """The first choice's text; a stream must end with ``[DONE]``."""
+    if not stream:
+        choice = response.json()["choices"][0]
+        return str(choice["message"]["content"] if route == "chat" else choice["text"])
+    lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]", response.text
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    if route == "chat":
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_extreme_sampling_parameters_are_served_on_a_reused_connection(
+    gateway: LiveGateway, route: str, stream: bool
+) -> None:
+    """200 for each, a stream ends with [DONE], the keep-alive connection answers the next
+    request; a temperature below float32's smallest normal number gives the greedy text."""
+    chat = route == "chat"
+    url = gateway.base_url + ("/v1/chat/completions" if chat else "/v1/completions")
+    body = CHAT if chat else COMPLETION
+    with httpx.Client(timeout=60, headers=_headers(gateway)) as client:
+        greedy = _generated_text(client.post(url, json={**body, "temperature": 0}), route, False)
+        for sampling in EXTREME_SAMPLING:
+            response = client.post(url, json={**body, **sampling, "stream": stream})
+            assert response.status_code == 200, (sampling, response.text)
+            text = _generated_text(response, route, stream)
+            if "temperature" in sampling:
+                assert text == greedy, sampling
+        # The same keep-alive connection serves the next request.
+        assert client.post(url, json=body).status_code == 200
+
+
+def test_an_engine_error_mid_stream_ends_the_stream_with_an_error_chunk(
+    gateway: LiveGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any exception inside the engine (not only its deliberate errors) reaches a stream as a
+    `server_error` chunk, the stream ends properly and the connection serves the next request."""
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected engine fault")
+
+    url = gateway.base_url + "/v1/chat/completions"
+    with httpx.Client(timeout=60, headers=_headers(gateway)) as client:
+        with monkeypatch.context() as patch:
+            patch.setattr(Engine, "_plan", fail)
+            response = client.post(url, json={**CHAT, "stream": True})
+        assert response.status_code == 200
+        lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
+        assert json.loads(lines[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+        error = json.loads(lines[-1][6:])["error"]
+        assert error["type"] == "server_error", response.text
+        assert client.post(url, json=CHAT).status_code == 200
+    assert _completion_outcome(gateway, response.headers["x-specgate-audit-id"]) == "error"
+
+
+def _completion_outcome(gateway: LiveGateway, audit_id: str) -> str:
+    """The outcome of the `completion` event answering ``audit_id`` (spooled ones committed)."""
+    services = gateway.services
+    deadline = time.monotonic() + 30
+    while services.spool.pending and time.monotonic() < deadline:
+        time.sleep(0.1)
+    query = sa.select(audit_events.c.payload).where(audit_events.c.kind == "completion")
+    with services.db.connect() as connection:
+        payloads = list(connection.scalars(query))
+    (outcome,) = [p["outcome"] for p in payloads if p["request_event_id"] == audit_id]
+    return str(outcome)
 
 # --- text that cannot be tokenized, prompts too large to tokenize --------------------------
 
