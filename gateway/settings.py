@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -475,6 +476,28 @@ def _describe(error: ValidationError) -> str:
     return "invalid configuration: " + "; ".join(lines)
 
 
+def _yaml_error(config_file: Path, error: yaml.YAMLError) -> str:
+    """One line naming the file and, where the parser knows it, the line and column."""
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        where = f"{config_file}, line {mark.line + 1}, column {mark.column + 1}"
+        context = f" ({error.context})" if error.context else ""
+        return f"config: {where}: {error.problem}{context}"
+    return f"config: {config_file} is not YAML: {' '.join(str(error).split())}"
+
+
+def _check_yaml(config_file: Path) -> None:
+    """ConfigError when the file is not YAML, or not a mapping of setting names to values
+    (read here too, so that the error is one line and not the YAML source's traceback)."""
+    try:
+        with config_file.open("rb") as stream:
+            document = yaml.safe_load(stream)
+    except yaml.YAMLError as error:
+        raise ConfigError(_yaml_error(config_file, error)) from None
+    if document is not None and not isinstance(document, dict):
+        raise ConfigError(f"config: {config_file} must map setting names to values")
+
+
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
     """Read the configuration; ``overrides`` (flags that were given) win over everything.
 
@@ -486,6 +509,7 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
             return Settings(**given)
         if not config_file.is_file():
             raise ConfigError(f"config: file {config_file} does not exist")
+        _check_yaml(config_file)
 
         class FileSettings(Settings):
             model_config = SettingsConfigDict(yaml_file=config_file)

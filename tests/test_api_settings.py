@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -272,3 +274,51 @@ def test_an_unloaded_method_is_a_400_naming_it() -> None:
         "speculative.method",
         "method_unavailable",
     )
+
+
+SPECGATE = Path(sys.executable).with_name("specgate")
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "where", "problem"),
+    [
+        ("port: 8000\ntarget: [unclosed\n", "line 3, column 1", "expected ',' or ']'"),
+        ('port: "8000\n', "line 2, column 1", "found unexpected end of stream"),
+        ("port: 8000\n  host: x\n", "line 2, column 7", "mapping values are not allowed here"),
+    ],
+)
+def test_a_yaml_syntax_error_is_one_line_naming_file_line_and_column(
+    tmp_path: Path, yaml_text: str, where: str, problem: str
+) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml_text)
+    with pytest.raises(ConfigError) as raised:
+        load_settings(config)
+    message = str(raised.value)
+    assert message.startswith(f"config: {config}, {where}: ") and problem in message
+    assert "\n" not in message
+
+
+def test_serve_with_a_config_that_is_not_yaml_exits_2_with_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("port: 8000\ntarget: [unclosed\n")
+    served = subprocess.run(
+        [str(SPECGATE), "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")},
+    )
+    assert served.returncode == 2
+    assert served.stdout == ""
+    assert served.stderr.splitlines() == [
+        f"specgate serve: config: {config}, line 3, column 1: expected ',' or ']', but got "
+        "'<stream end>' (while parsing a flow sequence)"
+    ]
+
+
+def test_a_config_that_is_not_a_mapping_is_named(tmp_path: Path) -> None:
+    config = tmp_path / "list.yaml"
+    config.write_text("- port\n- 8000\n")
+    with pytest.raises(ConfigError, match=rf"^config: {config} must map setting names to values"):
+        load_settings(config)
