@@ -59,7 +59,18 @@ from gateway.audit.records import (
 )
 from gateway.audit.schema import audit_events, audit_head, audit_merkle_nodes
 from gateway.audit.signing import CheckpointSigner
-from gateway.audit.state import SignedState, load_state, save_state
+from gateway.audit.state import (
+    Alarm,
+    Anchor,
+    SignedState,
+    beside,
+    load_alarm,
+    load_anchor,
+    load_state,
+    save_alarm,
+    save_anchor,
+    save_state,
+)
 from gateway.audit.verify import VerifyReport, event_problem, verify_export
 from gateway.db import execute_first, once_more_if_ended, read_connection, write_connection
 
@@ -169,16 +180,23 @@ def insert_events(
     return _insert(connection, events, mac, lock_timeout_s)[0]
 
 
+HeadCheck = Callable[[sa.Connection, sa.Row[Any]], None]
+
+
 def _insert(
     connection: sa.Connection,
     events: Sequence[tuple[str, str | None, dict[str, Any]]],
     mac: EventMac | None,
     lock_timeout_s: float,
+    check_head: HeadCheck | None = None,
 ) -> tuple[list[AppendedEvent], CompactRange]:
-    """``insert_events``, also returning the compact range of the tree after the events.
+    """``insert_events``, also returning the compact range of the tree after the events;
+    ``check_head`` may refuse the locked head row (by raising) before anything is written.
     The first append after migration 0002 adopted a legacy log writes the legacy declaration
     first (and only returns the caller's events)."""
     head = lock_head(connection, lock_timeout_s)
+    if check_head is not None:
+        check_head(connection, head)
     declare = legacy_declaration_due(connection, head)
     if declare and mac is None:
         # A MAC-less declaration would leave the legacy range unverifiable for good.
@@ -342,16 +360,23 @@ class AuditLog:
         self._mac = mac
         self._state_path = Path(state_path).expanduser() if state_path else None
         self._state = load_state(self._state_path)
+        self._anchor_path = beside(self._state_path, ".appended")
+        self._alarm_path = beside(self._state_path, ".alarm")
+        self._alarm_lock = threading.Lock()
         self._lock_timeout_s = lock_timeout_s
         self._witness = witness
         self._lock = threading.Lock()
         self._checkpoint_lock = threading.Lock()
         self._queue: list[_Pending] = []
         self._writing = False
-        self.tamper: TamperDetectedError | None = None
-        # (size, root) after this process's newest committed append: the database must keep
-        # extending it, even before a checkpoint covers it.
-        self._appended: tuple[int, bytes] = (0, b"")
+        # A raised alarm stands across restarts until an operator clears it (``clear_alarm``).
+        self.alarm: Alarm | None = load_alarm(self._alarm_path)
+        self.tamper: TamperDetectedError | None = (
+            None if self.alarm is None else TamperDetectedError(*self._alarm_cause(self.alarm))
+        )
+        # The tree after this gateway's newest committed append: the database must keep
+        # extending it, even before a checkpoint covers it, and across restarts.
+        self._appended: Anchor = load_anchor(self._anchor_path)
         # The head after this process's last append, on PostgreSQL (None: not known).
         self._known_head: KnownHead | None = None
 
@@ -397,6 +422,8 @@ class AuditLog:
             pending.wake.wait()
         if not pending.done:
             self._lead(pending)
+        if isinstance(pending.error, TamperDetectedError):
+            self.raise_alarm(pending.error)  # outside the writer's role: it appends itself
         if isinstance(pending.error, SQLAlchemyError):
             raise AuditUnavailableError(f"audit store unavailable: {pending.error}") from (
                 pending.error
@@ -414,19 +441,54 @@ class AuditLog:
         own change."""
         kind, actor = checked_event(kind, actor)
         self.forget_known_head()  # this transaction moves the head
-        (appended,) = insert_events(
+        (appended,), _ = _insert(
             connection,
             [(kind, actor, normalise_payload(payload))],
             self._mac,
             self._lock_timeout_s,
+            self._check_extends_anchor,
         )
         return appended
 
+    @staticmethod
+    def _alarm_cause(alarm: Alarm) -> tuple[int | None, str]:
+        return alarm.first_bad_seq, alarm.reason
+
     def remember_appended(self, frontier: CompactRange) -> None:
-        """Note the tree after this process's newest committed events (the truncation check)."""
+        """Note the tree after this gateway's newest committed events, in memory and in the
+        anchor file, before the appends' callers are answered (the truncation check)."""
         with self._lock:
-            if frontier.size > self._appended[0]:
-                self._appended = (frontier.size, frontier.root())
+            if frontier.size > self._appended.size:
+                self._appended = Anchor(frontier.size, frontier.root())
+                try:
+                    save_anchor(self._anchor_path, self._appended)
+                except OSError as error:  # kept in memory; a restart checks an older anchor
+                    log.error("audit_anchor_not_saved", error=str(error))
+
+    def _check_extends_anchor(self, connection: sa.Connection, head: sa.Row[Any]) -> None:
+        """Refuse to append unless the locked head row extends the tree this gateway last
+        wrote: no fewer events, and the same root at the anchor's size (from the head's
+        compact range when the sizes are equal, from the stored nodes when other writers
+        appended since). A history shorter than what this gateway acknowledged is never
+        appended on."""
+        anchor = self._appended
+        if anchor.size == 0:
+            return
+        if head.tree_size < anchor.size:
+            raise TamperDetectedError(
+                head.tree_size + 1,
+                f"the log has {head.tree_size} events but this gateway wrote {anchor.size}: "
+                f"events {head.tree_size + 1}..{anchor.size} were deleted (truncation)",
+            )
+        if head.tree_size == anchor.size:
+            root = _frontier(head.tree_size, head.frontier).root()
+        else:
+            stored = read_nodes(connection, set(perfect_pieces(0, anchor.size)))
+            root = range_hash(0, anchor.size, stored.__getitem__)
+        if root != anchor.root:
+            raise TamperDetectedError(
+                None, f"the first {anchor.size} events are not those this gateway wrote"
+            )
 
     def _lead(self, own: _Pending) -> None:
         """Write queued batches until ``own`` is written, then hand the writer's role to the
@@ -451,7 +513,9 @@ class AuditLog:
 
         def commit() -> tuple[list[AppendedEvent], CompactRange]:
             with write_connection(self._db) as connection, connection.begin():
-                return _insert(connection, events, self._mac, self._lock_timeout_s)
+                return _insert(
+                    connection, events, self._mac, self._lock_timeout_s, self._check_extends_anchor
+                )
 
         try:
             known, self._known_head = self._known_head, None
@@ -592,9 +656,10 @@ class AuditLog:
                 "key_fingerprint": signer.fingerprint,
                 "signed_at": format_timestamp(datetime.now(UTC)),
             }
-            insert_events(
+            _, after = _insert(
                 connection, [("checkpoint", "specgate", payload)], self._mac, self._lock_timeout_s
             )
+        self.remember_appended(after)
         self._state = SignedState(note, state.head_hash, state.frontier)
         try:
             save_state(self._state_path, self._state)
@@ -614,7 +679,7 @@ class AuditLog:
         """``state`` extended by the events after it up to ``size``, each checked (sequence,
         chain, hash, MAC); the stored tree must then have the same root."""
         trusted = state.frontier.size
-        appended_size, appended_root = self._appended
+        appended_size, appended_root = self._appended.size, self._appended.root
         known = max(trusted, appended_size)
         if size < known:
             raise self._located(
@@ -695,19 +760,95 @@ class AuditLog:
         return None
 
     def raise_alarm(self, error: TamperDetectedError) -> None:
-        """tamper_detected: error log, the hook (a metric), an audit event; from now on no
-        checkpoint is signed and ``integrity_ok`` is False."""
-        self.tamper = error
-        log.error("tamper_detected", first_bad_seq=error.first_bad_seq, reason=error.reason)
-        self.on_tamper(error)
-        try:
-            self.append(
-                "tamper_detected",
-                "specgate",
-                {"first_bad_seq": error.first_bad_seq, "reason": error.reason},
+        """tamper_detected: error log, the alarm file (it survives restarts), the hook (a
+        metric), an audit event (unless the store refuses it: a truncated log is not appended
+        on); from now on no checkpoint is signed and ``integrity_ok`` is False, until an
+        operator clears it (``clear_alarm``). A second alarm while one stands is logged."""
+        with self._alarm_lock:
+            if self.tamper is not None:
+                log.error("tamper_detected_again", seq=error.first_bad_seq, reason=error.reason)
+                return
+            self.tamper = error
+            self.alarm = Alarm(
+                error.first_bad_seq, error.reason, format_timestamp(datetime.now(UTC))
             )
+        log.error("tamper_detected", first_bad_seq=error.first_bad_seq, reason=error.reason)
+        try:
+            save_alarm(self._alarm_path, self.alarm)
+        except OSError as failure:  # the alarm stands in memory
+            log.error("tamper_alarm_not_saved", error=str(failure))
+        self.on_tamper(error)
+        event = (
+            "tamper_detected",
+            "specgate",
+            normalise_payload({"first_bad_seq": error.first_bad_seq, "reason": error.reason}),
+        )
+        try:
+            # Recorded where auditors read the log, whatever the head is; not remembered as
+            # this gateway's tree, so a head that does not extend it still refuses appends.
+            self.forget_known_head()
+            with (
+                self.observed("tamper_detected"),
+                write_connection(self._db) as connection,
+                connection.begin(),
+            ):
+                _insert(connection, [event], self._mac, self._lock_timeout_s)
         except Exception:  # the alarm stands even if the store refuses the event
             log.exception("tamper_event_not_recorded")
+
+    def clear_alarm(
+        self, evidence: str, actor: str | None, accept_head: bool = False
+    ) -> dict[str, Any]:
+        """End the standing alarm with an ``alarm_cleared`` event that names the alarm and the
+        operator's ``evidence`` (a ticket, a forensic report); returns its payload. The event
+        is appended only where the head still extends what this gateway wrote, so a
+        truncation must be repaired first (the events restored) unless ``accept_head``: then
+        the database's head becomes what this gateway extends, and the event records the
+        range that was lost. Checks run again from the next append and checkpoint."""
+        evidence = evidence.strip()
+        if not evidence:
+            raise ValueError("clearing an alarm needs the evidence it was resolved on")
+        with self._checkpoint_lock:
+            alarm = self.alarm
+            if alarm is None:
+                raise ValueError("no tamper alarm stands")
+            payload: dict[str, Any] = {
+                "alarm": {
+                    "first_bad_seq": alarm.first_bad_seq,
+                    "reason": alarm.reason,
+                    "detected_at": alarm.detected_at,
+                },
+                "evidence": evidence,
+            }
+            kind, actor = checked_event("alarm_cleared", actor)
+            self.forget_known_head()
+            with write_connection(self._db) as connection, connection.begin():
+                head = lock_head(connection, self._lock_timeout_s)
+                if accept_head:
+                    payload["accepted_head"] = self._accepted_head(head)
+                else:
+                    self._check_extends_anchor(connection, head)
+                _, frontier = _insert(
+                    connection,
+                    [(kind, actor, normalise_payload(payload))],
+                    self._mac,
+                    self._lock_timeout_s,
+                )
+            with self._lock:
+                self._appended = Anchor(frontier.size, frontier.root())
+                save_anchor(self._anchor_path, self._appended)
+            with self._alarm_lock:
+                self.tamper, self.alarm = None, None
+            save_alarm(self._alarm_path, None)
+        log.warning("tamper_alarm_cleared", evidence=evidence, actor=actor)
+        return payload
+
+    def _accepted_head(self, head: sa.Row[Any]) -> dict[str, Any]:
+        """The head an operator accepts, and the tree this gateway had written that it
+        replaces (``written``): where the two differ, what was lost is on record."""
+        root = _frontier(head.tree_size, head.frontier).root()
+        written = {"size": self._appended.size, "root": b64(self._appended.root)}
+        return {"size": head.tree_size, "root": b64(root), "written": written}
 
     def on_tamper(self, error: TamperDetectedError) -> None:
         """Hook for subclasses (the metrics); called once per alarm."""

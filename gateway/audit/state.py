@@ -1,8 +1,11 @@
-"""The last checkpoint this gateway signed, kept outside the database (a local file beside
-the signing key, and in memory), with the chain head and the compact range at its size.
+"""What this gateway knows of the log without the database, kept in local files beside the
+signing key (and in memory): the last checkpoint it signed, with the chain head and the
+compact range at its size; the tree after its newest committed append (``Anchor``, written
+before the append's caller is answered); and a raised tamper alarm (``Alarm``), which stands
+until an operator clears it.
 
-Whoever controls only the database cannot change it, so the gateway can check that the
-database still extends what it signed before it signs again.
+Whoever controls only the database cannot change them, so the gateway can check that the
+database still extends what it signed and wrote before it appends or signs again.
 """
 
 from __future__ import annotations
@@ -46,6 +49,87 @@ class SignedState:
         return cls(str(value["note"]), str(value["head_hash"]), frontier)
 
 
+@dataclass(frozen=True)
+class Anchor:
+    """The tree after this gateway's newest committed append: ``size`` leaves with ``root``."""
+
+    size: int
+    root: bytes
+
+    def dumps(self) -> str:
+        return json.dumps({"size": self.size, "root": b64(self.root)})
+
+    @classmethod
+    def loads(cls, text: str) -> Anchor:
+        value = json.loads(text)
+        return cls(int(value["size"]), unb64_hash(value["root"]))
+
+
+NO_ANCHOR = Anchor(0, b"")
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """A tamper alarm as kept on disk: the first bad event (if known), why, and when."""
+
+    first_bad_seq: int | None
+    reason: str
+    detected_at: str
+
+    def dumps(self) -> str:
+        return json.dumps(
+            {
+                "first_bad_seq": self.first_bad_seq,
+                "reason": self.reason,
+                "detected_at": self.detected_at,
+            }
+        )
+
+    @classmethod
+    def loads(cls, text: str) -> Alarm:
+        value = json.loads(text)
+        seq = value["first_bad_seq"]
+        return cls(
+            None if seq is None else int(seq), str(value["reason"]), str(value["detected_at"])
+        )
+
+
+def beside(state_path: Path | None, suffix: str) -> Path | None:
+    """The file ``suffix`` next to the signed-state file (``audit-checkpoint-state.json`` gives
+    ``audit-checkpoint-state.appended`` and ``audit-checkpoint-state.alarm``)."""
+    return None if state_path is None else state_path.with_suffix(suffix)
+
+
+def load_anchor(path: Path | None) -> Anchor:
+    if path is None or not path.exists():
+        return NO_ANCHOR
+    return Anchor.loads(path.read_text(encoding="utf-8"))
+
+
+def save_anchor(path: Path | None, anchor: Anchor) -> None:
+    """Written without an fsync (it costs a disk flush per append): it survives the process
+    being killed or restarted, not the host losing its page cache; then the last signed
+    checkpoint is the bound (``checkpoint_interval_s``)."""
+    if path is not None:
+        write_atomically(path, anchor.dumps(), sync=False)
+
+
+def load_alarm(path: Path | None) -> Alarm | None:
+    if path is None or not path.exists():
+        return None
+    return Alarm.loads(path.read_text(encoding="utf-8"))
+
+
+def save_alarm(path: Path | None, alarm: Alarm | None) -> None:
+    """Keep ``alarm`` (synced: it must outlive a crash); None removes it."""
+    if path is None:
+        return
+    if alarm is None:
+        path.unlink(missing_ok=True)
+    else:
+        write_atomically(path, alarm.dumps())
+
+
 def load_state(path: Path | None) -> SignedState:
     if path is None or not path.exists():
         return SignedState.empty()
@@ -57,15 +141,17 @@ def save_state(path: Path | None, state: SignedState) -> None:
         write_atomically(path, state.dumps())
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write (temporary file, fsync, rename) so that a crash leaves the old or the new text."""
+def write_atomically(path: Path, text: str, sync: bool = True) -> None:
+    """Write (temporary file, fsync unless not ``sync``, rename) so that a crash leaves the
+    old or the new text."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
-            os.fsync(handle.fileno())
+            if sync:
+                os.fsync(handle.fileno())
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
