@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from gateway.audit.witness import DEFAULT_MAX_CHECKPOINT_AGE_S
+
 if TYPE_CHECKING:
     from gateway.keys import KeyStore
 
@@ -304,14 +306,23 @@ def audit_witness(
         Path, typer.Option(file_okay=False, help="The witness's own directory (keys, state).")
     ],
     name: Annotated[str, typer.Option(help="The witness key's name.")] = "specgate-witness",
+    max_checkpoint_age: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds an event may wait for a checkpoint before the gateway counts as no "
+            "longer signing; about three times its checkpoint_interval_s.",
+        ),
+    ] = DEFAULT_MAX_CHECKPOINT_AGE_S,
 ) -> None:
-    """Check the latest checkpoint extends the one this witness cosigned last, then cosign
-    and store it and hand the cosignature to the gateway. Exits 1 naming a truncation, fork
-    or rewrite; 2 when the gateway cannot be asked."""
+    """Check the gateway reports no tamper alarm and signs checkpoints in time, and that the
+    latest checkpoint extends the one this witness cosigned last; then cosign and store it
+    and hand the cosignature to the gateway. Exits 1 naming a truncation, fork, rewrite,
+    gateway_alarm or stale_checkpoint; 2 when the gateway cannot be asked."""
     from gateway.audit.witness import WitnessAlarm, WitnessUnavailable, witness_once
 
     try:
-        result = witness_once(url, key, state, name)
+        result = witness_once(url, key, state, name, max_checkpoint_age)
     except WitnessAlarm as alarm:
         typer.echo(f"ALARM ({alarm.kind}): {alarm}", err=True)
         raise typer.Exit(1) from None

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
 
+import sqlalchemy as sa
 import typer
 import uvicorn
 from fastapi import FastAPI
@@ -53,13 +54,14 @@ def serve(app: FastAPI) -> Iterator[str]:
         thread.join(timeout=10)
 
 
-def audit_only_app(audit: AuditLog, keys: KeyStore) -> FastAPI:
-    """The real audit routes (and error handlers) over ``audit``, without the engine."""
+def audit_only_app(audit: AuditLog, keys: KeyStore, db: sa.Engine) -> FastAPI:
+    """The real audit routes (and error handlers) over ``audit`` (its store: ``db``), without
+    the engine."""
     app = FastAPI()
     install_error_handlers(app)
     app.include_router(audit_routes.router)
     offload = Offload(db_threads=4, prepare_threads=1, timeout_s=5.0)
     app.state.services = SimpleNamespace(
-        audit=audit, keys=keys, offload=offload, key_cache=KeyCache(ttl_s=0.0)
+        audit=audit, db=db, keys=keys, offload=offload, key_cache=KeyCache(ttl_s=0.0)
     )
     return app

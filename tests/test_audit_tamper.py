@@ -7,9 +7,10 @@ who catches it, naming the first bad event:
   key), over an export signed by a gateway that has lost its state and has no MAC key (the
   worst case short of stolen keys) or over an export the attacker assembles from the database
   and a genuine checkpoint found in it;
-- the witness, over real HTTP, where the attack changes the signed tree. Two attacks leave the
-  tree of signed heads intact, which a witness (it sees only heads) cannot see: an edited row
-  whose tree was not recomputed, and a forged event appended at the head. The MACs catch both.
+- the witness, over real HTTP, where the attack changes the signed tree, or where the gateway
+  serving it raised its tamper alarm. An edited row whose tree was not recomputed leaves the
+  signed heads intact, but even a gateway without state or MAC key finds it and alarms; a
+  forged event appended at the head is caught by the MACs alone.
 """
 
 from __future__ import annotations
@@ -178,11 +179,11 @@ class Attack:
     name: str
     run: Callable[[sa.Engine], None]
     first_bad_seq: int
-    witness_alarm: str | None  # None: the signed tree is unchanged, no witness can see it
+    witness_alarm: str | None  # None: the tree only grew and its gateway is not alarmed
 
 
 ATTACKS = [
-    Attack("payload edit", edit_payload, 4, None),
+    Attack("payload edit", edit_payload, 4, "gateway_alarm"),
     Attack("consistent rewrite from seq 4", consistent_rewrite, 4, "rewrite"),
     Attack("forged insert at the head", forged_insert_at_head, EVENTS + 2, None),
     Attack("forged insert in the middle", forged_insert_in_the_middle, 5, "rewrite"),
@@ -252,7 +253,7 @@ def test_untouched_log_verifies_everywhere(world: World) -> None:
     assert code == 0, output
     assert "consistent with the trusted checkpoint of size 15" in output
     assert world.gateway.verify().ok
-    with serve(audit_only_app(world.gateway, world.keys)) as url:
+    with serve(audit_only_app(world.gateway, world.keys, world.db)) as url:
         first = witness_once(url, world.auditor_key, world.tmp / "witness", "w")
         world.gateway.append("request", "key_0", {"i": 99})
         world.gateway.checkpoint()
@@ -265,7 +266,7 @@ def test_untouched_log_verifies_everywhere(world: World) -> None:
 @pytest.mark.parametrize("attack", ATTACKS, ids=[a.name for a in ATTACKS])
 def test_tampering_is_detected_and_located(world: World, attack: Attack) -> None:
     witness_state = world.tmp / "witness"
-    with serve(audit_only_app(world.gateway, world.keys)) as url:
+    with serve(audit_only_app(world.gateway, world.keys, world.db)) as url:
         witness_once(url, world.auditor_key, witness_state, "w")  # cosigns the size-15 tree
     attack.run(world.db)
 
@@ -273,7 +274,7 @@ def test_tampering_is_detected_and_located(world: World, attack: Attack) -> None
     stateless = AuditLog(world.db, world.signer)
     with contextlib.suppress(TamperDetectedError):
         stateless.checkpoint()
-    with serve(audit_only_app(stateless, world.keys)) as url:
+    with serve(audit_only_app(stateless, world.keys, world.db)) as url:
         if attack.witness_alarm is None:
             witness_once(url, world.auditor_key, witness_state, "w")
         else:

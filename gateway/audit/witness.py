@@ -3,6 +3,21 @@ gateway: it remembers the last checkpoint it cosigned, and cosigns a new one onl
 consistency proof shows the new tree extends it. A truncation, a fork or a rewrite is
 reported by kind. Standard library plus ``cryptography`` only (urllib for HTTP).
 
+A gateway that stops signing would otherwise go unnoticed: it keeps serving its last
+checkpoint, and re-cosigning that is consistent. So before it looks at the checkpoint the
+witness reads the gateway's ``GET /v1/audit/status`` and alarms
+
+- ``gateway_alarm`` when the gateway reports its tamper alarm (after a rewritten row, a
+  forged head or any other failed check it signs no more checkpoints);
+- ``stale_checkpoint`` when an event has waited longer than ``max_checkpoint_age_s`` for a
+  checkpoint to cover it. A healthy gateway signs every ``checkpoint_interval_s`` whether or
+  not traffic arrived, so no event waits much longer than one interval; an idle log has no
+  waiting event at all (a checkpoint's own event does not count), so it cannot alarm, however
+  long it stays idle or was down before a restart. The age is taken on the gateway's clock
+  (the status carries its ``now``), so the two machines' clocks need not agree. The default
+  bound, 900 s, is three of the gateway's default 300 s intervals: set it to about three times
+  the gateway's ``checkpoint_interval_s``.
+
 State directory: ``log-public-key.pem`` (the gateway's key, pinned at the first run),
 ``witness-key.pem`` (the witness's Ed25519 key, created at the first run),
 ``checkpoint`` (the last cosigned note).
@@ -17,6 +32,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +47,12 @@ from gateway.audit.signing import (
 from gateway.audit.state import write_atomically
 
 HTTP_TIMEOUT_S = 30.0
+DEFAULT_MAX_CHECKPOINT_AGE_S = 900.0
 
 
 class WitnessAlarm(Exception):
-    """The log misbehaved: ``kind`` is truncation, fork, rewrite or bad_signature."""
+    """The log misbehaved: ``kind`` is truncation, fork, rewrite, bad_signature,
+    gateway_alarm or stale_checkpoint."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -80,8 +98,15 @@ class _Client:
             raise WitnessUnavailable(f"{path}: not JSON: {exc}") from None
 
 
-def witness_once(url: str, auditor_key: str, state: Path, name: str) -> WitnessResult:
-    """One round: fetch, check against the remembered checkpoint, cosign, store, deliver."""
+def witness_once(
+    url: str,
+    auditor_key: str,
+    state: Path,
+    name: str,
+    max_checkpoint_age_s: float = DEFAULT_MAX_CHECKPOINT_AGE_S,
+) -> WitnessResult:
+    """One round: check the gateway's status, fetch the checkpoint, check it against the
+    remembered one, cosign, store, deliver."""
     client = _Client(url, auditor_key)
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     pinned = state / "log-public-key.pem"
@@ -95,6 +120,7 @@ def witness_once(url: str, auditor_key: str, state: Path, name: str) -> WitnessR
     public_file = state / "witness-public-key.pem"
     if not public_file.exists():
         write_atomically(public_file, public_key_pem(witness_key.public_key()).decode("ascii"))
+    _check_status(client.json("/v1/audit/status"), max_checkpoint_age_s)
     note = client.request("/v1/audit/checkpoint").decode("utf-8", "replace")
     try:
         new = verify_checkpoint(note, log_key)
@@ -116,6 +142,41 @@ def witness_once(url: str, auditor_key: str, state: Path, name: str) -> WitnessR
     except WitnessUnavailable as exc:
         delivered = f"not accepted: {exc}"
     return WitnessResult(old.size if old else None, new, cosigned, delivered)
+
+
+def _check_status(status: Any, max_checkpoint_age_s: float) -> None:
+    """Alarm on the gateway's own tamper alarm, or on an event that has waited longer than
+    the bound for a checkpoint to cover it."""
+    if not isinstance(status, dict) or not isinstance(status.get("tamper"), dict | None):
+        raise WitnessUnavailable(f"malformed audit status: {status!r:.300}")
+    tamper = status["tamper"]
+    if tamper is not None:
+        raise WitnessAlarm(
+            "gateway_alarm",
+            f"the gateway reports tampering at event {tamper.get('first_bad_seq')}: "
+            f"{tamper.get('reason')}; it signs no more checkpoints",
+        )
+    waited_s = _uncovered_wait_s(status)
+    if waited_s > max_checkpoint_age_s:
+        raise WitnessAlarm(
+            "stale_checkpoint",
+            f"an event written at {status['oldest_uncovered_event_at']} has waited "
+            f"{waited_s:.0f} s for a checkpoint (bound {max_checkpoint_age_s:g} s): "
+            "the gateway stopped signing",
+        )
+
+
+def _uncovered_wait_s(status: dict[str, Any]) -> float:
+    """How long the oldest event no checkpoint covers has waited, on the gateway's clock
+    (0 when none waits)."""
+    since = status.get("oldest_uncovered_event_at")
+    if since is None:
+        return 0.0
+    try:
+        waited = datetime.fromisoformat(status["now"]) - datetime.fromisoformat(since)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WitnessUnavailable(f"malformed audit status times: {exc}") from None
+    return waited.total_seconds()
 
 
 def _check_extends(client: _Client, old: Checkpoint, new: Checkpoint) -> None:

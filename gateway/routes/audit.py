@@ -1,7 +1,7 @@
 """Audit endpoints: export, server-side verification and the public key (``auditor``); the
 transparency-log endpoints a witness uses (latest checkpoint, consistency proofs, posting a
-cosignature); and inclusion proofs (receipts) for the auditor or the app key that made the
-request."""
+cosignature, the log's integrity status); and inclusion proofs (receipts) for the auditor or
+the app key that made the request."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
 from gateway.audit.note import NoteError
 from gateway.audit.records import b64
+from gateway.audit.status import log_status
 from gateway.auth import AuditorPrincipal, authenticated
-from gateway.dependencies import AuditDep
+from gateway.dependencies import AuditDep, ServicesDep
 from gateway.errors import APIError
 from gateway.keys import Principal
 
@@ -90,6 +91,14 @@ async def checkpoint(principal: AuditorPrincipal, audit: AuditDep) -> PlainTextR
     """The latest signed checkpoint, as a C2SP tlog-checkpoint note."""
     note = await run_in_threadpool(audit.latest_checkpoint)
     return PlainTextResponse(note, media_type=NOTE_MEDIA_TYPE)
+
+
+@router.get("/status")
+async def status(principal: AuditorPrincipal, services: ServicesDep) -> dict[str, Any]:
+    """The gateway's tamper alarm, tree size, newest checkpoint and the oldest event no
+    checkpoint covers yet, on the gateway's clock (``now``): what a witness needs to tell a
+    log that stopped being signed from one that is merely idle."""
+    return await run_in_threadpool(log_status, services.audit, services.db)
 
 
 @router.get("/consistency")
