@@ -207,7 +207,7 @@ def start_services(
         ),
         spool=spool,
         admission=Admission(settings.max_queue),
-        lifecycle=Lifecycle(settings.shutdown_grace_s),
+        lifecycle=Lifecycle(settings.shutdown_grace_s, records_s=settings.audit_timeout_s),
         instance_id=instance,
         refusals=refusals,
         privacy=privacy,
@@ -223,8 +223,13 @@ def _mark_expired(leases: Leases) -> None:
 
 async def stop_services(services: Services) -> None:
     """Record the `shutdown` event (spooled if the store is away) and a final signed
-    checkpoint (bounded by ``audit_timeout_s``), then stop the backend and the writers."""
+    checkpoint, then stop the backend and the writers; every wait on the database ends with
+    the shutdown's grace period (``audit_timeout_s`` each without one)."""
     settings = services.settings
+
+    def time_left() -> float:
+        return services.lifecycle.time_left(otherwise=settings.audit_timeout_s)
+
     await run_in_threadpool(services.refusals.close)
     try:
         await append_durably(
@@ -244,9 +249,9 @@ async def stop_services(services: Services) -> None:
             await services.offload.db(services.leases.release)
         except AuditUnavailableError as error:
             log.warning("lease_not_released", error=str(error))
-    await services.appender.close(settings.audit_timeout_s)
+    await services.appender.close(time_left())
     await run_in_threadpool(services.backend.close)
-    await run_in_threadpool(services.spool.close, settings.audit_timeout_s)
+    await run_in_threadpool(services.spool.close, time_left())
     services.offload.close()
     services.db.dispose()
 

@@ -15,6 +15,7 @@ import asyncio
 import contextvars
 import functools
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
@@ -59,6 +60,7 @@ def settled_on_loop(future: Future[T]) -> asyncio.Future[T]:
 class Offload:
     def __init__(self, *, db_threads: int, prepare_threads: int, timeout_s: float) -> None:
         self.timeout_s = timeout_s
+        self._give_up_at: float | None = None
         self._single: dict[str, Future[Any]] = {}
         self._db = ThreadPoolExecutor(db_threads, thread_name_prefix="specgate-db")
         self._prepare = ThreadPoolExecutor(prepare_threads, thread_name_prefix="specgate-prep")
@@ -69,14 +71,27 @@ class Offload:
         context = contextvars.copy_context()
         return self._db.submit(functools.partial(context.run, fn, *args, **kwargs))
 
+    def give_up_by(self, deadline: float) -> None:
+        """From now on no database wait outlasts ``deadline`` (``time.monotonic()``): the end
+        of the shutdown's grace period."""
+        self._give_up_at = deadline
+
+    def _wait_s(self) -> float:
+        """``timeout_s``, or what is left before ``give_up_by``'s deadline if that is less."""
+        if self._give_up_at is None:
+            return self.timeout_s
+        return max(0.0, min(self.timeout_s, self._give_up_at - time.monotonic()))
+
     async def wait_db(self, future: Future[T], what: str) -> T:
         """Await a database call started with ``submit_db``; raises AuditUnavailableError
-        once ``timeout_s`` has passed (the call itself goes on and may still complete)."""
+        once ``timeout_s`` has passed, or the shutdown's deadline (the call itself goes on and
+        may still complete)."""
+        wait_s = self._wait_s()
         try:
-            return await asyncio.wait_for(settled_on_loop(future), self.timeout_s)
+            return await asyncio.wait_for(settled_on_loop(future), wait_s)
         except TimeoutError:
             raise AuditUnavailableError(
-                f"audit store unavailable: {what} did not answer within {self.timeout_s:g} s"
+                f"audit store unavailable: {what} did not answer within {wait_s:g} s"
             ) from None
 
     async def db(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:

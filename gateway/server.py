@@ -7,13 +7,14 @@
   keep-alive connections); idle keep-alive connections close after ``keep_alive_timeout_s``;
   more than ``max_connections`` open connections are answered 503.
 - SIGTERM starts the grace period (``gateway.lifecycle``): no new connections, running
-  generations may finish until ``shutdown_grace_s`` and are ended after it.
+  generations may finish for most of ``shutdown_grace_s``, and no database wait outlasts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import socket
 from typing import Any
 
@@ -21,11 +22,8 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.dependencies import Services
 from gateway.settings import Settings
-
-# Seconds uvicorn waits beyond the grace period for ended streams to send their last chunk
-# and record their `completion` event before it cancels what is left.
-SHUTDOWN_MARGIN_S = 5.0
 
 
 class _OneWritePerTurn(asyncio.Transport):
@@ -123,8 +121,13 @@ class GracefulServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         services = getattr(self.app.state, "services", None)
         if services is not None:
-            services.lifecycle.begin_shutdown()
+            _begin_shutdown(services)
         await super().shutdown(sockets)
+
+
+def _begin_shutdown(services: Services) -> None:
+    """Start the grace period; from now on no database wait outlasts it."""
+    services.offload.give_up_by(services.lifecycle.begin_shutdown())
 
 
 def uvicorn_config(app: FastAPI, settings: Settings, **extra: Any) -> uvicorn.Config:
@@ -135,7 +138,8 @@ def uvicorn_config(app: FastAPI, settings: Settings, **extra: Any) -> uvicorn.Co
         ),
         timeout_keep_alive=settings.keep_alive_timeout_s,
         limit_concurrency=settings.max_connections,
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s + SHUTDOWN_MARGIN_S),
+        # Every wait of a request ends with the grace: what is still running then is cancelled.
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
         **extra,
     )
 

@@ -338,8 +338,10 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(
         default=45.0,
         ge=0,
-        description="On SIGTERM, streams may finish for this long; the rest end with an error "
-        "chunk and a `shutdown` outcome. Keep below the chart's terminationGracePeriodSeconds.",
+        description="On SIGTERM, the whole shutdown ends within this, database waits included. "
+        "Streams may finish until its last audit_timeout_s (or its second half, if shorter), "
+        "kept for the final records; the rest end with an error chunk and a `shutdown` "
+        "outcome. Keep below the chart's terminationGracePeriodSeconds.",
     )
     spool_retry_s: float = Field(
         default=1.0, gt=0, description="Pause between attempts to commit spooled events."

@@ -493,3 +493,71 @@ def test_sigterm_ends_streams_after_the_grace_period_and_records_the_shutdown(
         (checkpoint,) = after
         assert checkpoint.payload["size"] == shutdown.seq
         db.dispose()
+
+
+# The grace of the stalled-shutdown test, and the slack for what follows its last database
+# wait: the engine's stop and the process's exit on a busy 2-core machine.
+STALLED_GRACE_S = 3.0
+EXIT_SLACK_S = 2.0
+
+
+def _stream_until_sigterm(port: int, headers: dict[str, str]) -> list[Stream]:
+    """Streams that need far longer than any grace together (one sequence at a time; eight
+    400-token streams, as the SIGTERM test above), each `request` event committed."""
+    body = {**LONG, "max_tokens": 400, "min_tokens": 400}
+    streams = [Stream(f"http://127.0.0.1:{port}", headers, body) for _ in range(8)]
+    assert streams[0].first_chunk.wait(60)
+    wait_until(lambda: all(s.audit_id for s in streams), 30, "every request event")
+    return streams
+
+
+def test_sigterm_in_a_database_stall_exits_within_the_grace_and_loses_no_record(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """SIGTERM with streams running and PostgreSQL stopped (SIGSTOP): every wait on the
+    database is bounded by what is left of the grace (the default `audit_timeout_s`, 5 s, is
+    longer than the whole 3 s grace); what cannot be committed goes to the spool, which the
+    next start commits once the database is back."""
+    with running_instance() as pg:
+        url = pg.create_database("stalled_shutdown")
+        upgrade_database(url)
+        port = free_port()
+        data = tmp_path / "data"
+        grace = {"SPECGATE_SHUTDOWN_GRACE_S": str(STALLED_GRACE_S)}
+        process = _serve(models, data, url, port, SPECGATE_MAX_NUM_SEQS="1", **grace)
+        try:
+            _wait_ready(port, process)
+            streams = _stream_until_sigterm(
+                port, {"authorization": f"Bearer {_app_key(url, data)}"}
+            )
+            pg.pause()
+            try:
+                stopped_at = time.monotonic()
+                process.send_signal(signal.SIGTERM)
+                assert process.wait(120) in (0, -signal.SIGTERM)
+                stop_s = time.monotonic() - stopped_at
+            finally:
+                pg.resume()
+        finally:
+            process.kill()
+        for stream in streams:
+            stream.join(30)
+        assert stop_s < STALLED_GRACE_S + EXIT_SLACK_S, stop_s
+        ended = [s for s in streams if not s.done]
+        assert ended and all(s.error and s.error["code"] == "shutting_down" for s in ended)
+        restarted = _serve(models, data, url, port)  # commits the spool before its `startup`
+        try:
+            _wait_ready(port, restarted)
+        finally:
+            restarted.terminate()
+            restarted.wait(60)
+        db = make_db_engine(url)
+        outcomes = [
+            (c.payload["request_event_id"], c.payload["outcome"]) for c in _events(db, "completion")
+        ]
+        assert sorted(outcomes) == sorted(
+            (s.audit_id, "ok" if s.done else "shutdown") for s in streams
+        )
+        assert len(_events(db, "shutdown")) == 2  # the stalled one (spooled), the restart's
+        assert not _events(db, "interrupted")
+        db.dispose()

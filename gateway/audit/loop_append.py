@@ -240,17 +240,20 @@ class LoopAppender:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self, timeout_s: float) -> None:
-        """Let statements in flight finish within ``timeout_s`` (then cancel them), and close
-        the connection (on the loop that used it)."""
+        """Let statements in flight finish within ``timeout_s``, then cancel them, and close
+        the connection (on the loop that used it). The connection is closed before the
+        cancelled tasks run: psycopg would otherwise ask the server to cancel the statement
+        and wait for it (up to 10 s), and a stalled server answers neither."""
+        pending: set[asyncio.Task[None]] = set()
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
             for task in pending:
                 task.cancel()
-            if pending:
-                await asyncio.wait(pending)
         connection, self._connection = self._connection, None
         if connection is not None:
             await _close(connection)
+        if pending:
+            await asyncio.wait(pending)
 
 
 async def _close(connection: psycopg.AsyncConnection[Any]) -> None:
