@@ -334,3 +334,88 @@ def audit_witness(
         f"OK: cosigned {result.checkpoint.origin} at size {result.checkpoint.size} ({since}); "
         f"gateway: {result.delivered}"
     )
+
+
+@audit_app.command("clear-alarm")
+def audit_clear_alarm(
+    evidence: Annotated[
+        str, typer.Option(help="What the alarm was resolved on (a ticket, a forensic report).")
+    ],
+    accept_head: Annotated[
+        bool,
+        typer.Option(
+            help="Accept the database's head in place of the tree the gateway wrote (a loss "
+            "that cannot be restored); the replaced tree is recorded."
+        ),
+    ] = False,
+    url: Annotated[
+        str | None,
+        typer.Option(help="A running gateway's base URL; without it, this gateway's files."),
+    ] = None,
+    key: Annotated[
+        str | None, typer.Option(envvar="SPECGATE_ADMIN_KEY", help="An admin key, with --url.")
+    ] = None,
+) -> None:
+    """End the gateway's standing tamper alarm with an `alarm_cleared` audit event naming the
+    evidence: on a running gateway (--url, an admin key), or on a stopped one's own files and
+    database (its settings; a gateway whose database no longer extends what it wrote cannot
+    start). Exits 1 when the alarm stands (none was raised, or the database still does not
+    extend what the gateway wrote), 2 when the gateway or database cannot be reached."""
+    import json
+
+    if url is None:
+        payload = _clear_alarm_here(evidence, accept_head)
+    else:
+        payload = _clear_alarm_at(url, key or "", evidence, accept_head)
+    typer.echo(json.dumps(payload, indent=2))
+
+
+def _clear_alarm_at(url: str, key: str, evidence: str, accept_head: bool) -> dict[str, object]:
+    import httpx
+
+    try:
+        response = httpx.post(
+            f"{url.rstrip('/')}/v1/admin/audit/alarm/clear",
+            json={"evidence": evidence, "accept_head": accept_head},
+            headers={"authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+    except httpx.HTTPError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
+    if response.status_code != 200:
+        message = response.json().get("error", {}).get("message", response.text)
+        typer.echo(f"error ({response.status_code}): {message}", err=True)
+        raise typer.Exit(1 if response.status_code == 409 else 2)
+    answer: dict[str, object] = response.json()
+    return answer
+
+
+def _clear_alarm_here(evidence: str, accept_head: bool) -> dict[str, object]:
+    from gateway.audit.log import AuditLog, AuditUnavailableError, TamperDetectedError
+    from gateway.audit.mac import EventMac
+    from gateway.audit.signing import CheckpointSigner
+    from gateway.db import make_db_engine, normalise_url
+    from gateway.settings import load_settings
+
+    settings = load_settings()
+    db = make_db_engine(normalise_url(settings.database_url))
+    try:
+        audit = AuditLog(
+            db,
+            CheckpointSigner.load_or_create(settings.signing_key_path, settings.audit_origin),
+            EventMac.from_file(settings.audit_mac_key_path),
+            state_path=settings.audit_state_path,
+        )
+        return audit.clear_alarm(evidence, _cli_actor(), accept_head)
+    except TamperDetectedError as error:
+        typer.echo(f"error: the alarm stands: {error.reason}", err=True)
+        raise typer.Exit(1) from None
+    except ValueError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
+    except AuditUnavailableError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        db.dispose()

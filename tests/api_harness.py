@@ -66,9 +66,13 @@ class LiveGateway:
 
 @contextmanager
 def live_gateway(
-    settings: Settings, database: str, load_backend: BackendLoader = load_local_backend
+    settings: Settings,
+    database: str,
+    load_backend: BackendLoader = load_local_backend,
+    key_prefix: str = "test",
 ) -> Iterator[LiveGateway]:
-    """Serve ``create_app(settings, load_backend)`` on a free port until the block ends."""
+    """Serve ``create_app(settings, load_backend)`` on a free port until the block ends, with
+    a key per role named ``{key_prefix}-{role}`` (another prefix for a restart)."""
     app = create_app(settings, load_backend)
     listener = socket.socket()
     # Accepted sockets inherit this; without it Nagle's algorithm meets delayed ACKs and
@@ -86,7 +90,7 @@ def live_gateway(
         time.sleep(0.05)
     services: Services = app.state.services
     keys = {
-        role: services.keys.create(role, f"test-{role}", "tests")[1]
+        role: services.keys.create(role, f"{key_prefix}-{role}", "tests")[1]
         for role in ("app", "auditor", "admin")
     }
     try:

@@ -822,18 +822,10 @@ class AuditLog:
             }
             kind, actor = checked_event("alarm_cleared", actor)
             self.forget_known_head()
-            with write_connection(self._db) as connection, connection.begin():
-                head = lock_head(connection, self._lock_timeout_s)
-                if accept_head:
-                    payload["accepted_head"] = self._accepted_head(head)
-                else:
-                    self._check_extends_anchor(connection, head)
-                _, frontier = _insert(
-                    connection,
-                    [(kind, actor, normalise_payload(payload))],
-                    self._mac,
-                    self._lock_timeout_s,
-                )
+            try:
+                frontier = self._record_clearing(kind, actor, payload, accept_head)
+            except SQLAlchemyError as exc:
+                raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
             with self._lock:
                 self._appended = Anchor(frontier.size, frontier.root())
                 save_anchor(self._anchor_path, self._appended)
@@ -842,6 +834,24 @@ class AuditLog:
             save_alarm(self._alarm_path, None)
         log.warning("tamper_alarm_cleared", evidence=evidence, actor=actor)
         return payload
+
+    def _record_clearing(
+        self, kind: str, actor: str | None, payload: dict[str, Any], accept_head: bool
+    ) -> CompactRange:
+        """Append the ``alarm_cleared`` event (``clear_alarm``); the tree after it."""
+        with write_connection(self._db) as connection, connection.begin():
+            head = lock_head(connection, self._lock_timeout_s)
+            if accept_head:
+                payload["accepted_head"] = self._accepted_head(head)
+            else:
+                self._check_extends_anchor(connection, head)
+            _, frontier = _insert(
+                connection,
+                [(kind, actor, normalise_payload(payload))],
+                self._mac,
+                self._lock_timeout_s,
+            )
+        return frontier
 
     def _accepted_head(self, head: sa.Row[Any]) -> dict[str, Any]:
         """The head an operator accepts, and the tree this gateway had written that it
