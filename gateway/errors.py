@@ -52,6 +52,15 @@ class APIError(Exception):
         self.headers = headers
 
 
+class RefusedBody(StarletteHTTPException):
+    """A request body refused while it is read, carrying its answer. An HTTPException,
+    because FastAPI turns any other error in its body reading into a bare 400."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(status_code=error.status_code, detail=error.message)
+        self.error = error
+
+
 def error_body(
     message: str, type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
@@ -194,6 +203,8 @@ _HTTP_CODES = {
 
 async def _handle_http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc, RefusedBody):
+        return error_response(exc.error)
     kind, code = _HTTP_CODES.get(exc.status_code, ("invalid_request_error", None))
     if exc.status_code == 404:
         message = f"Unknown request URL: {request.method} {request.url.path}."

@@ -193,40 +193,6 @@ def speculative_choice(
     return SpeculativeChoice(requested.method, requested.num_speculative_tokens)
 
 
-def _unencodable(value: Any, path: str) -> str | None:
-    """The location of the first string that is not valid Unicode (a lone surrogate, which
-    JSON's ``\\ud800`` escapes can carry), or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    items: Any = ()
-    if isinstance(value, dict):
-        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
-    elif isinstance(value, list):
-        items = ((f"{path}[{index}]", item) for index, item in enumerate(value))
-    for where, item in items:
-        found = _unencodable(item, where)
-        if found is not None:
-            return found
-    return None
-
-
-def check_text(body: ChatCompletionRequest | CompletionRequest) -> None:
-    """Refuse text that cannot be encoded as UTF-8 (400 naming the parameter)."""
-    where = _unencodable(body.model_dump(exclude_none=True), "")
-    if where is not None:
-        raise APIError(
-            400,
-            f"Invalid value for '{where}': the text is not valid Unicode "
-            "(it contains a lone surrogate).",
-            param=where,
-            code="invalid_text",
-        )
-
-
 def _check_prompt_bytes(size: int, limit: int, param: str) -> None:
     if size > limit:
         raise APIError(
@@ -489,7 +455,6 @@ def build_job(
     seed gets one drawn here, so that its `request` event records it (replay)."""
     card = backend.card
     check_model(body.model, card)
-    check_text(body)
     if body.stream_options is not None and not body.stream:
         raise APIError(
             400, "stream_options is only allowed when stream is true.", param="stream_options"

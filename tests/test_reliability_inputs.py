@@ -8,9 +8,11 @@ states how it is measured.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 import json
 import multiprocessing
 import os
+import pkgutil
 import socket
 import statistics
 import threading
@@ -22,15 +24,18 @@ import httpx
 import pytest
 import sqlalchemy as sa
 import torch
+from fastapi.routing import APIRoute
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gateway.routes as gateway_routes
 from engine.logits_processors import LogitsProcessing
 from engine.sampling import effective_sampling, probabilities
 from engine.service import Engine
 from engine.types import SamplingParams
 from gateway.audit.schema import audit_events
 from gateway.db import upgrade_database
+from gateway.request_body import CheckedBodyRoute
 from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
 from tests.overload_client import burst_then_probe
 from tests.tiny_models import build_pair
@@ -266,30 +271,65 @@ def _completion_outcome(gateway: LiveGateway, audit_id: str) -> str:
     (outcome,) = [p["outcome"] for p in payloads if p["request_event_id"] == audit_id]
     return str(outcome)
 
-# --- text that cannot be tokenized, prompts too large to tokenize --------------------------
+# --- text that cannot be encoded -----------------------------------------------------------
+
+_MESSAGES = '"messages":[{"role":"user","content":"x"}]'
+_TOOL = '{"type":"function","function":{"name":"f\\udc00","parameters":{"type":"object"}}}'
+
+
+def _chat_body(fields: str, model: str = "target") -> str:
+    """A chat body (raw JSON, to carry ``\\udfff`` escapes) with ``fields`` added."""
+    return "{" + f'"model":"{model}",{_MESSAGES}' + (f",{fields}" if fields else "") + "}"
 
 
 @pytest.mark.parametrize(
-    ("body", "param"),
+    ("path", "body", "param"),
     [
-        (b'{"model":"target","messages":[{"role":"user","content":"a\\ud800b"}]}', "messages"),
-        (b'{"model":"target","messages":[{"role":"user","content":"x"}],"user":"\\udfff"}', "user"),
-        (b'{"model":"target","messages":[{"role":"user","content":"x"}],"stop":"\\ud83d"}', "stop"),
+        ("/v1/chat/completions", _chat_body("", model="tar\\udfffget"), "model"),
+        (
+            "/v1/chat/completions",
+            '{"model":"target","messages":[{"role":"user","content":"a\\ud800b"}]}',
+            "messages[0].content",
+        ),
+        ("/v1/chat/completions", _chat_body('"user":"\\udfff"'), "user"),
+        ("/v1/chat/completions", _chat_body('"stop":["ok","\\ud83d"]'), "stop[1]"),
+        ("/v1/chat/completions", _chat_body(f'"tools":[{_TOOL}]'), "tools[0].function.name"),
+        ("/v1/chat/completions", _chat_body('"\\ud800":1'), "body"),
+        ("/v1/completions", '{"model":"tar\\udfffget","prompt":"x"}', "model"),
+        ("/v1/completions", '{"model":"target","prompt":["x","\\udbff"]}', "prompt[1]"),
+        ("/v1/completions", '{"model":"target","prompt":"x","stop":"\\ud83d"}', "stop"),
+        ("/v1/completions", '{"model":"target","prompt":"x","user":"u\\udfff"}', "user"),
+        ("/v1/admin/keys", '{"role":"app","name":"n\\udfff"}', "name"),
     ],
 )
 def test_lone_surrogates_are_400_naming_the_parameter(
-    gateway: LiveGateway, body: bytes, param: str
+    gateway: LiveGateway, path: str, body: str, param: str
 ) -> None:
+    """Checked once, where the body is parsed: every string and key of every JSON body."""
+    key = gateway.keys["admin" if path.startswith("/v1/admin") else "app"]
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     response = httpx.post(
-        gateway.base_url + "/v1/chat/completions",
-        content=body,
-        headers={**_headers(gateway), "content-type": "application/json"},
-        timeout=30,
+        gateway.base_url + path, content=body.encode(), headers=headers, timeout=30
     )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"].startswith(param)
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_text"
     assert "unicode" in error["message"].lower()
+
+
+def test_every_route_with_a_json_body_reads_it_through_the_checks() -> None:
+    routes = [
+        route
+        for info in pkgutil.iter_modules(gateway_routes.__path__, "gateway.routes.")
+        for route in importlib.import_module(info.name).router.routes
+        if isinstance(route, APIRoute) and route.body_field is not None
+    ]
+    assert {route.path for route in routes} >= {"/v1/chat/completions", "/v1/admin/keys"}
+    assert all(isinstance(route, CheckedBodyRoute) for route in routes), routes
+
+
+# --- prompts too large to tokenize ---------------------------------------------------------
 
 
 def test_prompts_over_the_byte_bound_are_400_before_tokenizing(gateway: LiveGateway) -> None:

@@ -9,9 +9,10 @@ from gateway.auth import AdminPrincipal
 from gateway.dependencies import KeysDep, ServicesDep
 from gateway.errors import APIError
 from gateway.keys import KeyStoreError, Principal
+from gateway.request_body import CheckedBodyRoute
 from gateway.schemas import CreatedKey, KeyCreateRequest, KeyInfo, KeyUpdateRequest
 
-router = APIRouter(prefix="/v1/admin/keys", tags=["admin"])
+router = APIRouter(prefix="/v1/admin/keys", tags=["admin"], route_class=CheckedBodyRoute)
 
 
 def _info(key: Principal) -> KeyInfo:

@@ -23,6 +23,7 @@ from gateway.generation import (
     system_fingerprint,
 )
 from gateway.keys import Principal
+from gateway.request_body import CheckedBodyRoute
 from gateway.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -33,7 +34,7 @@ from gateway.schemas import (
     Usage,
 )
 
-router = APIRouter(prefix="/v1", tags=["completions"])
+router = APIRouter(prefix="/v1", tags=["completions"], route_class=CheckedBodyRoute)
 
 AUDIT_ID_HEADER = "x-specgate-audit-id"
 # The receipt: the `request` event's Merkle leaf index and leaf hash (base64), which
