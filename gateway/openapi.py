@@ -35,7 +35,10 @@ _DESCRIPTIONS = {
     403: "The key's role may not use this endpoint.",
     404: "Unknown model, key or audit event.",
     408: "The request body did not arrive in time.",
-    409: "A key with this name exists, or a replay is refused (content erased or never stored).",
+    409: (
+        "A key with this name exists, a replay is refused (content erased or never stored), "
+        "or a tamper alarm is not cleared (none stands, or the history is still short)."
+    ),
     413: "The request body is over the size limit.",
     429: "The request queue is full; retry after `Retry-After` seconds.",
     503: "The audit store or the engine is unavailable, or the gateway is shutting down.",
@@ -55,6 +58,7 @@ _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
     ("get", "/v1/audit/proof/{event_id}"): (404,),
     ("post", "/v1/audit/replay/{event_id}"): (404, 409),
     ("post", "/v1/audit/cosignature"): _BODY,
+    ("post", "/v1/admin/audit/alarm/clear"): (409, *_BODY),
 }
 _STRING = {"schema": {"type": "string"}}
 _SUCCESS_CONTENT: dict[tuple[str, str], dict[str, Any]] = {
