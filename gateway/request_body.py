@@ -1,10 +1,11 @@
 """JSON request bodies are parsed, and checked, in one place, before any route sees them.
 
-A body that parses as JSON can still hold a lone surrogate (``"\\udfff"``: valid JSON, but
-not Unicode, so nothing can encode it: not the database, not an error message repeating the
-value), which would fail later, far from its cause. Routes whose body is JSON declare
-``route_class=CheckedBodyRoute``; FastAPI then reads their body through ``parsed_json``,
-which refuses it with a 400 in OpenAI's error shape naming the field.
+Two things in a body that parses as JSON would otherwise fail later, far from their cause:
+a lone surrogate (``"\\udfff"``: valid JSON, but not Unicode, so nothing can encode it: not
+the database, not an error message repeating the value) and nesting deep enough to exhaust
+the recursion of the parser or of whatever walks the value afterwards. Routes whose body is
+JSON declare ``route_class=CheckedBodyRoute``; FastAPI then reads their body through
+``parsed_json``, which refuses both with a 400 in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from fastapi.routing import APIRoute
 
 from gateway.errors import APIError, RefusedBody
 
+# Far above any request this API takes (a chat body with content parts nests 5 levels, a
+# JSON schema for a tool or an output a few more), far below Python's recursion limit.
+MAX_JSON_DEPTH = 100
+
 
 def _not_unicode(where: str) -> APIError:
     return APIError(
@@ -26,6 +31,14 @@ def _not_unicode(where: str) -> APIError:
         "(it contains a lone surrogate).",
         param=where,
         code="invalid_text",
+    )
+
+
+def _too_deep() -> APIError:
+    return APIError(
+        400,
+        f"The request body is JSON nested more than {MAX_JSON_DEPTH} levels deep.",
+        code="json_too_deep",
     )
 
 
@@ -47,23 +60,29 @@ def _members(value: dict[str, Any] | list[Any], where: str) -> list[tuple[str, A
 def check_parsed(value: Any) -> None:
     """Raise APIError for the first string or key (in document order) that is not Unicode,
     named by its location (``messages[0].content``; a key by its object's, ``body`` at the
-    top). Iterative: no recursion to exhaust."""
-    pending: list[tuple[str, Any]] = [("", value)]
+    top), or for nesting beyond ``MAX_JSON_DEPTH``. Iterative: no recursion to exhaust."""
+    pending: list[tuple[str, Any, int]] = [("", value, 0)]
     while pending:
-        where, item = pending.pop()
+        where, item, depth = pending.pop()
         if isinstance(item, str) and not _is_unicode(item):
             raise _not_unicode(where or "body")
         if not isinstance(item, dict | list):
             continue
+        if depth >= MAX_JSON_DEPTH:
+            raise _too_deep()
         if isinstance(item, dict) and not all(_is_unicode(key) for key in item):
             raise _not_unicode(where or "body")
-        pending.extend(reversed(_members(item, where)))
+        members = _members(item, where)
+        pending.extend((path, member, depth + 1) for path, member in reversed(members))
 
 
 def parsed_json(body: bytes) -> Any:
     """``body`` decoded as JSON and checked (``check_parsed``); malformed JSON raises as
     ``json.loads`` does, for FastAPI's own 400."""
-    value = json.loads(body)
+    try:
+        value = json.loads(body)
+    except RecursionError:  # nested beyond what the parser can recurse into
+        raise RefusedBody(_too_deep()) from None
     try:
         check_parsed(value)
     except APIError as error:

@@ -35,7 +35,7 @@ from engine.service import Engine
 from engine.types import SamplingParams
 from gateway.audit.schema import audit_events
 from gateway.db import upgrade_database
-from gateway.request_body import CheckedBodyRoute
+from gateway.request_body import MAX_JSON_DEPTH, CheckedBodyRoute
 from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
 from tests.overload_client import burst_then_probe
 from tests.tiny_models import build_pair
@@ -271,7 +271,7 @@ def _completion_outcome(gateway: LiveGateway, audit_id: str) -> str:
     (outcome,) = [p["outcome"] for p in payloads if p["request_event_id"] == audit_id]
     return str(outcome)
 
-# --- text that cannot be encoded -----------------------------------------------------------
+# --- text that cannot be encoded, JSON nested too deeply -----------------------------------
 
 _MESSAGES = '"messages":[{"role":"user","content":"x"}]'
 _TOOL = '{"type":"function","function":{"name":"f\\udc00","parameters":{"type":"object"}}}'
@@ -327,6 +327,22 @@ def test_every_route_with_a_json_body_reads_it_through_the_checks() -> None:
     ]
     assert {route.path for route in routes} >= {"/v1/chat/completions", "/v1/admin/keys"}
     assert all(isinstance(route, CheckedBodyRoute) for route in routes), routes
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 100_000])
+def test_json_nested_too_deeply_is_400_saying_so(gateway: LiveGateway, depth: int) -> None:
+    schema = '{"a":' * depth + "1" + "}" * depth
+    body = _chat_body(f'"guided_json":{schema}')
+    response = httpx.post(
+        gateway.base_url + "/v1/chat/completions",
+        content=body.encode(),
+        headers={**_headers(gateway), "content-type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "json_too_deep"
+    assert f"nested more than {MAX_JSON_DEPTH} levels deep" in error["message"]
 
 
 # --- prompts too large to tokenize ---------------------------------------------------------
