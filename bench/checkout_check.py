@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from psycopg import sql
 
 from gateway.audit.log import AuditLog
+from gateway.audit.mac import EventMac
 from gateway.audit.signing import CheckpointSigner
 from gateway.db import make_db_engine, normalise_url, upgrade_database
 from gateway.keys import KeyStore
@@ -45,7 +46,8 @@ def measure(url: str, iterations: int, scratch: Path) -> dict[str, float]:
         "pre_ping": sa.create_engine(normalise_url(url), pool_pre_ping=True, pool_size=10),
         "socket_check": make_db_engine(url),
     }
-    logs = {side: AuditLog(db, signer) for side, db in pools.items()}
+    mac = EventMac.load_or_create(scratch / "audit-mac-key")
+    logs = {side: AuditLog(db, signer, mac) for side, db in pools.items()}
     stores = {side: KeyStore(db, logs[side]) for side, db in pools.items()}
     _, key = stores["socket_check"].create("app", "bench-checkout", "bench")
     samples: dict[str, list[float]] = {f"{s}_{p}": [] for s in pools for p in ("lookup", "append")}

@@ -31,6 +31,7 @@ import httpx
 import sqlalchemy as sa
 
 from gateway.audit.log import AuditLog
+from gateway.audit.mac import EventMac
 from gateway.audit.schema import audit_events
 from gateway.audit.signing import CheckpointSigner
 from gateway.db import make_db_engine, upgrade_database
@@ -128,7 +129,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="specgate-crash-") as scratch:
         data = Path(scratch)
         port = free_port()
-        key = KeyStore(db, AuditLog(db)).create("app", f"crash-{os.getpid()}", "bench")[1]
+        # The gateway starting on ``data`` loads this MAC key: its key rows and events carry it.
+        mac = EventMac.load_or_create(data / "audit-mac-key")
+        key = KeyStore(db, AuditLog(db, mac=mac)).create("app", f"crash-{os.getpid()}", "bench")[1]
         process = start(args, data, port)
         for _ in range(args.rounds):
             senders = [

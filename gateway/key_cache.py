@@ -2,8 +2,12 @@
 needs no database round trip or thread hop (the refusal path above all: a 429 at admission
 then costs only the event loop's own work).
 
-Only keys the database accepted are remembered, by their SHA-256 (never the plaintext), each
-for ``ttl_s`` from the lookup that found it; an unknown key is asked about every time. A key
+Only keys the database accepted are remembered: ``KeyStore.authenticate`` returns a principal
+only for a row that passed its MAC and audit-chain check (``gateway.key_rows``), so an entry
+holds a verified row's role and choices; a row changed after that is checked, and refused,
+at the first lookup after the entry expires. Entries are kept by the key's SHA-256 (never the
+plaintext), each for ``ttl_s`` from the lookup that found it; an unknown or refused key is
+asked about every time. A key
 revoked anywhere (another replica, ``specgate keys revoke``) stops working here within
 ``ttl_s``; one revoked through this gateway's admin API stops at once (``forget``). A key
 that expired from the cache is looked up again, so a database that is away still answers

@@ -19,10 +19,12 @@ from gateway.db import make_db_engine
 from gateway.keys import KeyStore, KeyStoreError
 from tests.audit_helpers import admin_cli
 
+MAC = EventMac(b"k" * 32)
+
 
 @pytest.fixture
 def audit(db: sa.Engine, tmp_path: Path) -> AuditLog:
-    return AuditLog(db, CheckpointSigner.load_or_create(tmp_path / "signing.pem"))
+    return AuditLog(db, CheckpointSigner.load_or_create(tmp_path / "signing.pem"), MAC)
 
 
 def _key_events(audit: AuditLog) -> list[tuple[str | None, dict[str, str]]]:
@@ -48,8 +50,8 @@ def test_create_authenticate_revoke_with_audit_trail(db: sa.Engine, audit: Audit
     assert store.list() == []
     described = {"key_id": principal.key_id, "name": "eve", "role": "auditor"}
     assert _key_events(audit) == [
-        ("cli:root", {"action": "created", **described}),
-        ("cli:root", {"action": "revoked", **described}),
+        ("cli:root", {"action": "created", **described, "version": 1}),
+        ("cli:root", {"action": "revoked", **described, "version": 2}),
     ]
     assert audit.verify().ok
 
@@ -159,7 +161,7 @@ def test_db_upgrade_cli_creates_schema_from_any_directory(
     assert {"audit_events", "api_keys", "audit_merkle_nodes", "audit_head"} <= tables
     assert {"privacy_data_keys", "privacy_content", "privacy_holds"} <= tables
     assert "instance_leases" in tables
-    assert version == "0005"
+    assert version == "0006"
 
 
 def test_cli_on_a_fresh_laptop_migrates_sqlite_and_names_missing_postgres_migrations(

@@ -18,9 +18,12 @@ from psycopg import _connection_base
 
 from gateway.audit.log import AppendedEvent, AuditLog
 from gateway.audit.loop_append import LoopAppender, libpq_conninfo
+from gateway.audit.mac import EventMac
 from gateway.audit.signing import CheckpointSigner
 from gateway.db import make_db_engine
 from gateway.keys import KeyStore
+
+MAC = EventMac(b"t" * 32)
 
 
 @pytest.fixture
@@ -47,7 +50,7 @@ def pg(pg_url: str) -> Iterator[sa.Engine]:
 def test_key_lookup_sends_no_transaction_commands(
     pg: sa.Engine, tmp_path: Path, commands: list[bytes]
 ) -> None:
-    store = KeyStore(pg, AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem")))
+    store = KeyStore(pg, AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem"), MAC))
     principal, plaintext = store.create("app", "billing", actor="admin")
     assert store.authenticate(plaintext) == principal  # the pool now holds a connection
     commands.clear()
@@ -154,7 +157,7 @@ def test_a_checkout_sends_no_ping_yet_a_connection_the_server_ended_is_replaced(
     request); a pooled connection the server has ended (restart, failover,
     pg_terminate_backend) is still replaced before use, so the first call after the database
     came back succeeds instead of failing."""
-    store = KeyStore(pg, AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem")))
+    store = KeyStore(pg, AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem"), MAC))
     principal, plaintext = store.create("app", "billing", actor="admin")
     (old_pid,) = _pooled_backend_pids(pg)
     statements: list[str] = []

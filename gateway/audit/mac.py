@@ -56,6 +56,12 @@ class EventMac:
     def key_id(self) -> str:
         return "sha256:" + hashlib.sha256(b"specgate-audit-mac-key\n" + self._key).hexdigest()[:16]
 
+    def derived(self, label: bytes) -> EventMac:
+        """A sub-key for another kind of record, HMAC(key, label): a MAC made with it never
+        verifies as an event MAC, nor the reverse, so records cannot be passed off as each
+        other."""
+        return EventMac(hmac.new(self._key, label, hashlib.sha256).digest())
+
     def mac(self, data: bytes) -> str:
         return hmac.new(self._key, data, hashlib.sha256).hexdigest()
 

@@ -62,4 +62,8 @@ api_keys = sa.Table(
     sa.Column("revoked_at", sa.DateTime(timezone=True), nullable=True),
     # Whether this key's requests keep their text (migration 0003); NULL: the server setting.
     sa.Column("store_content", sa.Boolean, nullable=True),
+    # Migration 0006 (``gateway.key_rows``): the row's change count, which its newest `key`
+    # event records, and its MAC under a sub-key of the audit MAC key (NULL: not sealed yet).
+    sa.Column("version", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("row_mac", sa.String(64), nullable=True),
 )
