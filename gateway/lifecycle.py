@@ -22,10 +22,16 @@ class ShutdownError(Exception):
     """The grace period ended before this generation finished."""
 
 
+def generations_s(grace_s: float, records_s: float) -> float:
+    """How long after SIGTERM running generations may go on: the grace less the time kept for
+    the final records (``records_s``, at most half the grace)."""
+    return grace_s - min(records_s, grace_s / 2)
+
+
 class Lifecycle:
     def __init__(self, grace_s: float, records_s: float) -> None:
         self.grace_s = grace_s
-        self.records_s = min(records_s, grace_s / 2)
+        self.generations_s = generations_s(grace_s, records_s)
         self.stopping = False
         self.deadline: float | None = None  # time.monotonic() by which the shutdown ends
         self._handles: set[Generation] = set()
@@ -42,11 +48,6 @@ class Lifecycle:
     @property
     def running(self) -> int:
         return len(self._handles)
-
-    @property
-    def generations_s(self) -> float:
-        """How long after SIGTERM running generations may go on."""
-        return self.grace_s - self.records_s
 
     def begin_shutdown(self) -> float:
         """Start the grace period (on the event loop); returns its deadline."""

@@ -9,6 +9,7 @@ test's tmp path). Bounds are stated with their margins for a busy 2-core machine
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import signal
@@ -561,3 +562,66 @@ def test_sigterm_in_a_database_stall_exits_within_the_grace_and_loses_no_record(
         assert len(_events(db, "shutdown")) == 2  # the stalled one (spooled), the restart's
         assert not _events(db, "interrupted")
         db.dispose()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _ask_again(connection: http.client.HTTPConnection, headers: dict[str, str]) -> str:
+    """A chat request on a kept-alive connection: "status code connection-header", or the
+    error that took its answer's place."""
+    try:
+        connection.request("POST", "/v1/chat/completions", json.dumps(CHAT), headers)
+        response = connection.getresponse()
+        code = json.loads(response.read())["error"]["code"] if response.status != 200 else ""
+    except (OSError, http.client.HTTPException) as error:
+        return type(error).__name__
+    return f"{response.status} {code} {response.getheader('connection')}"
+
+
+def test_requests_on_kept_alive_connections_after_sigterm_get_503_shutting_down(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Idle kept-alive connections stay open through the grace: a request sent on one right
+    after SIGTERM (the listener already closed) is answered 503 `shutting_down` with
+    `Connection: close`, not met by a closed connection; the refusals are counted in the
+    `refused` event written before `shutdown`."""
+    with fresh_database() as (_, url):
+        upgrade_database(url)
+        port = free_port()
+        data = tmp_path / "data"
+        process = _serve(models, data, url, port, SPECGATE_SHUTDOWN_GRACE_S="10")
+        try:
+            _wait_ready(port, process)
+            headers = {
+                "authorization": f"Bearer {_app_key(url, data)}",
+                "content-type": "application/json",
+            }
+            connections = [
+                http.client.HTTPConnection("127.0.0.1", port, timeout=30) for _ in range(5)
+            ]
+            for connection in connections:
+                connection.request("GET", "/v1/models", headers=headers)
+                assert connection.getresponse().read()
+            process.send_signal(signal.SIGTERM)
+            signalled_at = time.monotonic()
+            while _listening(port) and time.monotonic() - signalled_at < 5:
+                time.sleep(0.01)
+            answers = [_ask_again(connection, headers) for connection in connections]
+            answered_s = time.monotonic() - signalled_at
+            assert process.wait(60) in (0, -signal.SIGTERM)
+        finally:
+            process.kill()
+        db = make_db_engine(url)
+        refused = [
+            refusal["count"]
+            for event in _events(db, "refused")
+            for refusal in event.payload["refusals"]
+            if refusal["reason"] == "shutting_down"
+        ]
+        db.dispose()
+    assert answers == ["503 shutting_down close"] * len(connections), answers
+    assert answered_s < 1.0, answered_s
+    assert refused == [len(connections)]

@@ -83,6 +83,7 @@ async def _start(
 ) -> AuditedGeneration:
     """Admit (or 429 at once), then template and tokenize off the event loop."""
     if services.lifecycle.stopping:
+        services.refusals.count(principal.key_id, "shutting_down")
         raise shutting_down("The gateway is shutting down; retry on another instance.")
     try:
         slots = services.admission.admit(body.n)
