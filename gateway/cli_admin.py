@@ -72,6 +72,7 @@ def _cli_actor() -> str:
 def _key_store(database_url: str | None) -> Iterator[KeyStore]:
     import sqlalchemy as sa
 
+    from gateway.audit.head_mac import head_mac_problem
     from gateway.audit.log import AuditLog, AuditUnavailableError
     from gateway.audit.mac import EventMac, MacKeyError
     from gateway.db import is_sqlite, make_db_engine, upgrade_database
@@ -88,6 +89,10 @@ def _key_store(database_url: str | None) -> Iterator[KeyStore]:
         # The embedded store shares the gateway's data directory, so the key may start here.
         mac_path = load_settings().audit_mac_key_path
         mac = EventMac.load_or_create(mac_path) if is_sqlite(db) else EventMac.from_file(mac_path)
+        with db.connect() as connection:
+            problem = head_mac_problem(connection, mac)
+        if problem is not None:
+            raise MacKeyError(f"{problem} ({mac_path})")
         yield KeyStore(db, AuditLog(db, mac=mac))
     except MacKeyError as error:
         typer.echo(

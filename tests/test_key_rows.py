@@ -9,6 +9,9 @@ unknown key would be (401) and raises the tamper alarm once, naming the key.
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -286,6 +289,45 @@ def test_an_unrevoke_that_also_removes_the_revocation_event_fails_the_next_check
         gateway.audit.checkpoint()
     assert raised.value.first_bad_seq == 2
     assert not gateway.audit.integrity_ok()
+
+
+def _specgate(args: list[str], mac_key: Path, data: Path) -> subprocess.CompletedProcess[str]:
+    """The installed ``specgate`` command, run as an operator would."""
+    env = {
+        **os.environ,
+        "SPECGATE_AUDIT_MAC_KEY_PATH": str(mac_key),
+        "SPECGATE_DATA_DIR": str(data),
+    }
+    command = [str(Path(sys.executable).parent / "specgate"), *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_keys_cli_with_another_deployments_mac_key_writes_nothing(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """A key event MAC'd with the wrong key would make every later check report tampering:
+    the CLI checks its key against the newest event's MAC first and refuses to write."""
+    ours, theirs = tmp_path / "ours.key", tmp_path / "theirs.key"
+    mac = EventMac.load_or_create(ours)
+    EventMac.load_or_create(theirs)
+    db = make_db_engine(pg_url)
+    audit = AuditLog(db, mac=mac)
+    KeyStore(db, audit).create("admin", "ops", "tests")
+    size = audit.head()[0]
+    create = ["keys", "create", "--role", "app", "--name", "crm", "--database-url", pg_url]
+
+    refused = _specgate(create, theirs, tmp_path)
+    assert refused.returncode == 1, refused.stderr
+    assert refused.stdout == ""
+    (line,) = refused.stderr.splitlines()
+    assert "MAC key" in line and "newest audit event" in line
+    assert audit.head()[0] == size
+    assert [key.name for key in KeyStore(db, audit).list()] == ["ops"]
+
+    created = _specgate(create, ours, tmp_path)
+    assert created.returncode == 0, created.stderr
+    assert KeyStore(db, audit).authenticate(created.stdout.strip()) is not None
+    db.dispose()
 
 
 def _legacy_key(gateway: Gateway, name: str, role: str, event_role: str) -> tuple[str, str]:
