@@ -36,12 +36,14 @@ class _TooSlow(HTTPException):
 
 
 def _slow_message(timeout_s: float) -> str:
-    return f"The request body did not arrive: no data for {timeout_s:g} s."
+    return f"The request body did not arrive within {timeout_s:g} s."
 
 
 class BodySizeLimitMiddleware:
-    """Also bounds the wait for each piece of the body (``body_timeout_s``): a client that
-    stops sending mid-body is answered 408 instead of holding the request open."""
+    """Also bounds the time the whole body may take (``body_timeout_s``, from when the app
+    first reads it, right after the headers): a client that stops sending mid-body, or
+    trickles it a byte at a time, is answered 408 instead of holding the request open. A
+    bound on each read alone would let a byte per read keep a request open for ever."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app = app
@@ -62,15 +64,18 @@ class BodySizeLimitMiddleware:
         started = False
         body_done = False
         timeout_s = self.body_timeout_s
+        deadline: float | None = None
 
         async def limited_receive() -> Message:
-            nonlocal received, body_done
+            nonlocal received, body_done, deadline
             if body_done:  # later receives wait for the disconnect: no bound on those
                 return await receive()
+            if deadline is None:
+                deadline = asyncio.get_running_loop().time() + timeout_s
             try:
                 # A timeout scope, not ``wait_for``: on Python 3.11 that wraps the receive in
                 # a task of its own, one more turn of the event loop per body message.
-                async with asyncio.timeout(timeout_s):
+                async with asyncio.timeout_at(deadline):
                     message = await receive()
             except TimeoutError:
                 raise _TooSlow(timeout_s) from None

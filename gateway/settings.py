@@ -327,7 +327,7 @@ class Settings(BaseSettings):
         default=10.0, gt=0, description="A request's headers must arrive within this time."
     )
     body_timeout_s: float = Field(
-        default=30.0, gt=0, description="Longest wait for the next piece of a request body."
+        default=30.0, gt=0, description="A request's whole body must arrive within this time."
     )
     keep_alive_timeout_s: int = Field(
         default=5, ge=1, description="An idle keep-alive connection is closed after this."

@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import pkgutil
+import select
 import socket
 import statistics
 import threading
@@ -447,6 +448,47 @@ def test_a_stalled_body_is_408(gateway: LiveGateway) -> None:
     assert reply.startswith(b"HTTP/1.1 408"), reply
     assert b'"code":"request_timeout"' in reply
 
+
+def _reply_while_trickling(
+    conn: socket.socket, body: bytes, interval_s: float, give_up_s: float
+) -> bytes:
+    """Send ``body`` one byte per ``interval_s`` until the server answers (its answer, read to
+    the error code or the close) or ``give_up_s`` seconds pass (b"")."""
+    give_up = time.monotonic() + give_up_s
+    for byte in body:
+        readable, _, _ = select.select([conn], [], [], interval_s)
+        if readable or time.monotonic() > give_up:
+            break
+        try:
+            conn.sendall(bytes([byte]))
+        except OSError:  # the server answered and closed meanwhile
+            break
+    reply = b""
+    while b"request_timeout" not in reply and time.monotonic() < give_up:
+        piece = conn.recv(4096)
+        if not piece:
+            break
+        reply += piece
+    return reply
+
+
+def test_a_trickled_body_is_408_within_the_body_timeout(gateway: LiveGateway) -> None:
+    """A byte every 0.25 s never leaves a read waiting ``body_timeout_s``, but the body as a
+    whole must arrive within ``body_timeout_s`` of the end of the headers."""
+    body = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 400}]}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {gateway.keys['app']}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", _port(gateway)), timeout=10) as conn:
+        conn.sendall(head)
+        started = time.monotonic()
+        reply = _reply_while_trickling(conn, body, 0.25, BODY_TIMEOUT_S + 8)
+        waited = time.monotonic() - started
+    assert reply.startswith(b"HTTP/1.1 408"), reply
+    assert b'"code":"request_timeout"' in reply
+    # 1 s from the end of the headers, measured on a busy 2-core machine: 3 s of slack.
+    assert BODY_TIMEOUT_S * 0.8 < waited < BODY_TIMEOUT_S + 3, waited
 
 def test_concurrent_migrations_on_a_fresh_database_both_succeed() -> None:
     for _ in range(3):
