@@ -27,6 +27,7 @@ from gateway.audit.log import AuditUnavailableError, WitnessPolicy
 from gateway.audit.loop_append import LoopAppender, libpq_conninfo
 from gateway.audit.mac import EventMac
 from gateway.audit.signing import CheckpointSigner, load_public_key
+from gateway.audit.sweep import slice_size, tick_seconds
 from gateway.backends.base import GenerationBackend, ReplicatedBackend
 from gateway.backends.local import LocalBackend
 from gateway.body_limit import BodySizeLimitMiddleware
@@ -273,6 +274,19 @@ async def _sign_checkpoints(services: Services, interval_s: float) -> None:
             log.warning("checkpoint_not_signed", error=str(error))
 
 
+async def _reverify_history(services: Services, period_s: float) -> None:
+    """Verify the whole signed history again within every ``period_s``, a slice a tick
+    (``gateway.audit.sweep``)."""
+    tick_s = tick_seconds(period_s)
+    while True:
+        await asyncio.sleep(tick_s)
+        signed = services.audit.signed_state.frontier.size
+        try:
+            await services.offload.db(services.audit.reverify, slice_size(signed, tick_s, period_s))
+        except AuditUnavailableError as error:
+            log.warning("history_not_reverified", error=str(error))
+
+
 async def _keep_lease(services: Services, interval_s: float) -> None:
     """Renew this instance's lease and mark the requests of instances whose lease expired."""
     while True:
@@ -313,6 +327,9 @@ def create_app(
             _sign_checkpoints(services, settings.checkpoint_interval_s)
         )
         retention = asyncio.create_task(_expire_content(services, settings.retention_interval_s))
+        reverify = asyncio.create_task(
+            _reverify_history(services, settings.audit_reverify_period_s)
+        )
         lease = asyncio.create_task(_keep_lease(services, settings.lease_renew_s))
         log.info(
             "gateway_started",
@@ -331,6 +348,7 @@ def create_app(
         finally:
             checkpoints.cancel()
             retention.cancel()
+            reverify.cancel()
             lease.cancel()
             app.state.services = None
             await stop_services(services)

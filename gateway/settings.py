@@ -209,6 +209,12 @@ class Settings(BaseSettings):
     bootstrap_admin_key: SecretStr | None = None
     max_body_bytes: int = Field(default=1024 * 1024, ge=1)
     checkpoint_interval_s: float = Field(default=300.0, gt=0)
+    audit_reverify_period_s: float = Field(
+        default=86400.0,
+        gt=0,
+        description="The whole signed audit history is verified again within this period "
+        "(a slice every hundredth of it, 1-60 s apart).",
+    )
     store_content: bool = False
 
     log_format: Literal["json", "console"] = Field(default_factory=_default_log_format)

@@ -71,6 +71,7 @@ from gateway.audit.state import (
     save_anchor,
     save_state,
 )
+from gateway.audit.sweep import Sweep
 from gateway.audit.verify import VerifyReport, event_problem, verify_export
 from gateway.db import execute_first, once_more_if_ended, read_connection, write_connection
 
@@ -379,6 +380,9 @@ class AuditLog:
         self._appended: Anchor = load_anchor(self._anchor_path)
         # The head after this process's last append, on PostgreSQL (None: not known).
         self._known_head: KnownHead | None = None
+        self._sweep: Sweep | None = None  # the scheduled re-verification in progress
+        self._sweep_lock = threading.Lock()
+        self.reverified_at: float | None = None  # when the last sweep completed (epoch s)
 
     @property
     def signer(self) -> CheckpointSigner:
@@ -859,6 +863,37 @@ class AuditLog:
         root = _frontier(head.tree_size, head.frontier).root()
         written = {"size": self._appended.size, "root": b64(self._appended.root)}
         return {"size": head.tree_size, "root": b64(root), "written": written}
+
+    def reverify(self, max_events: int) -> bool:
+        """One slice of the scheduled re-verification of the signed history
+        (``gateway.audit.sweep``): True when it completed a sweep. A problem raises the
+        alarm; while an alarm stands, nothing is swept."""
+        with self._sweep_lock:
+            if self.tamper is not None:
+                return False
+            sweep = self._sweep
+            if sweep is None:
+                signed = self._state.frontier
+                if signed.size == 0:
+                    return False
+                sweep = self._sweep = Sweep(signed.size, signed.root(), self._mac)
+            try:
+                with read_connection(self._db) as connection:
+                    problem = sweep.advance(connection, max_events, record_from_row)
+            except SQLAlchemyError as exc:
+                raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+            if problem is None and not sweep.done:
+                return False
+            self._sweep = None
+        if problem is not None:
+            self.raise_alarm(TamperDetectedError(*problem))
+            return False
+        self.reverified_at = time.time()
+        self.on_reverified(sweep)
+        return True
+
+    def on_reverified(self, sweep: Sweep) -> None:
+        """Hook for subclasses (the metrics); called once per completed sweep."""
 
     def on_tamper(self, error: TamperDetectedError) -> None:
         """Hook for subclasses (the metrics); called once per alarm."""

@@ -4,6 +4,7 @@ every append (request, completion, fallback, export, checkpoint, startup) in one
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,6 +13,7 @@ import sqlalchemy as sa
 
 from gateway.audit.log import AppendedEvent, AuditLog, TamperDetectedError
 from gateway.audit.signing import CheckpointSigner
+from gateway.audit.sweep import Sweep
 from gateway.observability.telemetry import Telemetry
 
 
@@ -28,6 +30,11 @@ class ObservedAuditLog(AuditLog):
 
     def on_tamper(self, error: TamperDetectedError) -> None:
         self._telemetry.metrics.audit_tamper_detected.inc()
+
+    def on_reverified(self, sweep: Sweep) -> None:
+        metrics = self._telemetry.metrics
+        metrics.audit_reverified.set(self.reverified_at or time.time())
+        metrics.audit_reverify_duration.set(time.monotonic() - sweep.started)
 
     @contextmanager
     def observed(self, kind: str) -> Iterator[Callable[[AppendedEvent], None]]:

@@ -171,6 +171,16 @@ class Metrics:
             "Times the gateway found the audit database not extending what it signed.",
             registry=r,
         )
+        self.audit_reverified = Gauge(
+            "specgate_audit_reverified_timestamp_seconds",
+            "When the last re-verification of the whole signed audit history completed.",
+            registry=r,
+        )
+        self.audit_reverify_duration = Gauge(
+            "specgate_audit_reverify_duration_seconds",
+            "How long the last completed re-verification of the signed history took.",
+            registry=r,
+        )
 
     def watch_engine(
         self,
