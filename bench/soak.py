@@ -7,7 +7,8 @@ Mixes plain and streamed chat, completions, sampled requests with tiny temperatu
 top_p, and bad input (400s); the small queue makes overload (429s) part of the mix. At the end
 it checks the audit log: the chain verifies, and every `request` event has exactly one
 `completion`. Reports requests, answers by status and error code, events checked, RSS at
-start and end, latency p50/p99 of the served requests and the 429 answer time.
+start and end (and every ``--rss-every`` seconds in between, the server's RSS curve),
+latency p50/p99 of the served requests and the 429 answer time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import random
 import resource
 import statistics
 import tempfile
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -44,6 +46,29 @@ def rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return round(int(line.split()[1]) / 1024, 1)
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+class RssCurve:
+    """The server process's RSS every ``every_s`` seconds, in a thread, until ``stop``."""
+
+    def __init__(self, every_s: float) -> None:
+        self.points: list[tuple[float, float]] = []
+        self._every_s = every_s
+        self._stopped = threading.Event()
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while True:
+            self.points.append((round(time.monotonic() - self._started, 1), rss_mib()))
+            if self._stopped.wait(self._every_s):
+                return
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._stopped.set()
+        self._thread.join()
+        return self.points
 
 
 def bodies(model: str) -> list[tuple[str, dict[str, Any]]]:
@@ -158,6 +183,7 @@ def main() -> None:
     parser.add_argument("--max-queue", type=int, default=8)
     parser.add_argument("--max-seconds", type=float, default=600.0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--rss-every", type=float, default=60.0, help="seconds between samples")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="specgate-soak-") as scratch:
         if args.tiny and args.target is not None:
@@ -173,6 +199,7 @@ def main() -> None:
         with serving(settings) as (base_url, services):
             _, api_key = services.keys.create("app", "bench-soak", "bench")
             rss_start = rss_mib()
+            curve = RssCurve(args.rss_every)
             # The client runs in its own process, so that it does not share the server's GIL.
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                 result = pool.submit(
@@ -185,6 +212,7 @@ def main() -> None:
                     args.max_seconds,
                 ).result()
             rss_end = rss_mib()
+            rss_curve = curve.stop()
             _wait_for_spool(services)
             result.update(check_log(services))
             services.keys.revoke("bench-soak", "bench")
@@ -192,6 +220,7 @@ def main() -> None:
         {
             "rss_start_mib": rss_start,
             "rss_end_mib": rss_end,
+            "rss_curve_s_mib": rss_curve,
             "concurrency": args.concurrency,
             "max_queue": args.max_queue,
             "load_average_1m": round(os.getloadavg()[0], 2),
