@@ -199,3 +199,21 @@ def test_a_held_append_lock_fails_appends_within_the_bound_then_clears(
         assert time.monotonic() - started < 4 * (LOCK_TIMEOUT_S + 1.5)
     assert log.append("request", "key_a", {"i": 2}).seq == 2
     db.dispose()
+
+
+def test_a_held_append_lock_fails_the_ping_within_the_bound(
+    pg_url: str, signer: CheckpointSigner
+) -> None:
+    """The readiness ping takes the append lock (and lets it go): a lock someone holds fails
+    it within the lock timeout, as it fails every append."""
+    db = make_db_engine(pg_url)
+    log = AuditLog(db, signer, MAC, lock_timeout_s=LOCK_TIMEOUT_S)
+    assert log.ping()
+    with psycopg.connect(pg_url) as holder:
+        holder.execute("SELECT * FROM audit_head FOR UPDATE")
+        started = time.monotonic()
+        assert log.ping() is False
+        assert time.monotonic() - started < LOCK_TIMEOUT_S + 1.5
+    assert log.ping()
+    assert log.append("request", "key_a", {}).seq == 1  # the ping left nothing behind
+    db.dispose()

@@ -73,7 +73,13 @@ from gateway.audit.state import (
 )
 from gateway.audit.sweep import Sweep
 from gateway.audit.verify import VerifyReport, event_problem, verify_export
-from gateway.db import execute_first, once_more_if_ended, read_connection, write_connection
+from gateway.db import (
+    execute_first,
+    is_sqlite,
+    once_more_if_ended,
+    read_connection,
+    write_connection,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -602,9 +608,19 @@ class AuditLog:
             return connection.execute(query).first() is not None
 
     def ping(self) -> bool:
+        """Whether an append could run now: on PostgreSQL the append lock (the head row) is
+        taken, within the lock timeout, and let go; a held lock stalls every append, so it
+        fails readiness as a stopped server does. SQLite: a read (its write lock would queue
+        the probe behind appends)."""
+
         def probe() -> None:
-            with self._db.connect() as connection:
-                execute_first(connection, sa.select(audit_head.c.tree_size))
+            if is_sqlite(self._db):
+                with self._db.connect() as connection:
+                    execute_first(connection, sa.select(audit_head.c.tree_size))
+                return
+            with write_connection(self._db) as connection, connection.begin() as transaction:
+                lock_head(connection, self._lock_timeout_s)
+                transaction.rollback()
 
         try:
             once_more_if_ended(probe)
