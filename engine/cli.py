@@ -70,7 +70,11 @@ def generate(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    engine = Engine.load(config)
+    try:
+        engine = Engine.load(config)
+    except EngineError as exc:  # a draft or heads that do not fit the target, named
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     try:
         ids = (
             _parse_ids(prompt_ids)

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gateway.cli import app
-from tests.tiny_models import build_pair
+from tests.tiny_models import build_model, build_pair, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +61,55 @@ def test_generate_refuses_two_prompts(pair: tuple[Path, Path]) -> None:
     )
     assert result.exit_code != 0
     assert "exactly one of --prompt and --prompt-ids" in result.output
+
+
+def test_heads_for_another_target_are_one_line_exit_2(pair: tuple[Path, Path]) -> None:
+    """A heads directory that does not fit the target (here: a model, no heads at all) is the
+    loader's own message on one line, exit 2, not a traceback."""
+    target, draft = pair
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--target",
+            str(target),
+            "--heads",
+            str(draft),
+            "--method",
+            "medusa",
+            "--prompt-ids",
+            "5,6",
+            "--dtype",
+            "float32",
+        ],
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1].startswith("error: ")
+    assert "Traceback" not in result.output
+    assert "no Medusa heads" in result.output
+
+
+def test_a_draft_with_another_vocabulary_is_one_line_exit_2(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, _ = pair
+    other = build_model(tmp_path / "other", build_tokenizer(vocab_size=200), seed=3, hidden=32)
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "--target",
+            str(target),
+            "--draft",
+            str(other),
+            "--method",
+            "draft",
+            "--prompt-ids",
+            "5,6",
+            "--dtype",
+            "float32",
+        ],
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1].startswith("error: ")
+    assert "Traceback" not in result.output
