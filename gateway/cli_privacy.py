@@ -16,6 +16,7 @@ from gateway.audit.canonical import format_timestamp
 from gateway.cli_admin import DatabaseUrl, _cli_actor, _resolve_url, audit_app
 
 if TYPE_CHECKING:
+    from gateway.privacy.scrub import ScrubReport
     from gateway.privacy.store import PrivacyStore
 
 privacy_app = typer.Typer(no_args_is_help=True)
@@ -97,7 +98,9 @@ def erase(
     subject: Subject = None, key_owner: KeyOwner = None, database_url: DatabaseUrl = None
 ) -> None:
     """Crypto-shred a data subject: destroy its data keys, so that nobody can decrypt its
-    stored content or confirm a text against its commitments. Refused under a legal hold."""
+    stored content or confirm a text against its commitments once they are scrubbed from
+    PostgreSQL's files too (done here where the URL's role may; `scrub` says what remains).
+    Refused under a legal hold."""
     from gateway.privacy.store import LegalHoldError
 
     with _privacy_store(database_url) as store:
@@ -107,7 +110,45 @@ def erase(
         except LegalHoldError as error:
             typer.echo(f"refused: {error} (subject {ref}; recorded)", err=True)
             raise typer.Exit(1) from None
-    typer.echo(f"erased subject {ref}: {len(destroyed)} data keys destroyed")
+        typer.echo(f"erased subject {ref}: {len(destroyed)} data keys destroyed")
+        _scrub(store)
+
+
+def _echo_scrub(report: ScrubReport) -> None:
+    if report.scrubbed:
+        typer.echo("scrubbed: privacy_data_keys rewritten, the WAL written before it retired")
+    else:
+        typer.echo(
+            "not scrubbed: a PostgreSQL superuser holding the KEK can still recover the "
+            "destroyed keys from the database's files"
+        )
+    for step in report.remaining:
+        typer.echo(f"remaining: {step}")
+
+
+def _scrub(store: PrivacyStore) -> bool:
+    """Scrub and report; whether the table was rewritten and the WAL before it retired."""
+    from gateway.privacy.scrub import ScrubError
+
+    try:
+        report = store.scrub()
+    except ScrubError as error:
+        typer.echo(f"not scrubbed: {error}; run `specgate privacy scrub` again", err=True)
+        return False
+    _echo_scrub(report)
+    return report.scrubbed
+
+
+@privacy_app.command("scrub")
+def scrub(database_url: DatabaseUrl = None) -> None:
+    """Remove destroyed data keys from PostgreSQL's files: rewrite the data key table, close
+    the WAL segment and checkpoint, then name what still keeps them (settings, standbys,
+    archives, backups). Run it with a URL of the table's owner or a superuser; exits 1 when
+    nothing could be scrubbed. `erase` runs it too, with its own URL."""
+    with _privacy_store(database_url) as store:
+        scrubbed = _scrub(store)
+    if not scrubbed:
+        raise typer.Exit(1)
 
 
 @privacy_app.command("hold")

@@ -31,6 +31,7 @@ from gateway.privacy.commitments import (
 )
 from gateway.privacy.kek import KekError, KeyEncryptionKey
 from gateway.privacy.schema import privacy_content, privacy_data_keys, privacy_holds
+from gateway.privacy.scrub import ScrubReport, scrub_destroyed_keys
 
 # AI Act Art. 19 and 26(6) ask for at least six months of logs, DSV Art. 4 for one year: the
 # content is kept as long as the longest of them by default.
@@ -343,6 +344,11 @@ class PrivacyStore:
         if held:
             raise LegalHoldError("the subject is under a legal hold; nothing was erased")
         return refs
+
+    def scrub(self) -> ScrubReport:
+        """Remove destroyed keys from PostgreSQL's files as far as this role may
+        (``scrub_destroyed_keys``): deleting a row leaves its bytes there."""
+        return scrub_destroyed_keys(self._db)
 
     def expire(self, retention_days: int, actor: str, now: datetime | None = None) -> list[str]:
         """Destroy the data keys created more than ``retention_days`` ago whose subject is not
