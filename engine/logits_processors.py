@@ -10,10 +10,11 @@ through them (and rolls back to where the next row's path parts from the last on
 decode loop applies it to the target's rows before verification; the draft proposer applies
 it to its own logits before it draws, so q is processed exactly as p.
 
-Order, per row: the grammar mask, ``min_tokens``, ``logit_bias``, then the repetition,
-frequency and presence penalties; temperature, top-k and top-p follow in
-``engine.sampling.probabilities``. A request with none of them never builds one of these
-(``SamplingParams.processes_logits``), so plain requests pay nothing.
+Order, per row: the grammar mask, ``allowed_token_ids``, ``bad_words``, ``min_tokens``,
+``logit_bias``, then the repetition, frequency and presence penalties; temperature, min-p,
+top-k and top-p follow in ``engine.sampling.probabilities``. A request with none of them
+never builds one of these (``SamplingParams.processes_logits``), so plain requests pay
+nothing.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class LogitsProcessing:
             for token, bias in params.logit_bias:
                 if token < vocab_size:
                     self._bias[token] += bias
+        self._banned: torch.Tensor | None = None
+        if params.allowed_token_ids:
+            self._banned = torch.ones(vocab_size, dtype=torch.bool, device=device)
+            allowed = [t for t in params.allowed_token_ids if t < vocab_size]
+            self._banned[torch.tensor(allowed, dtype=torch.long, device=device)] = False
         self._end_ids = torch.tensor(
             sorted(t for t in end_ids | set(params.stop_token_ids) if t < vocab_size),
             dtype=torch.long,
@@ -81,6 +87,11 @@ class LogitsProcessing:
         vocab = min(out.shape[-1], self.vocab_size)
         if self.grammar is not None:
             self.grammar.mask(out, paths)
+        if self._banned is not None:
+            out[:, :vocab].masked_fill_(self._banned[:vocab], float("-inf"))
+            out[:, self.vocab_size :] = float("-inf")
+        if self.params.bad_words:
+            self._ban_words(out, paths)
         if self.params.min_tokens > 0:
             self._forbid_ending(out, paths)
         if self._bias is not None:
@@ -88,6 +99,16 @@ class LogitsProcessing:
         if self._penalised:
             self._penalise(out[:, :vocab], paths)
         return out
+
+    def _ban_words(self, out: torch.Tensor, paths: Sequence[Sequence[int]]) -> None:
+        """Mask each bad word's last token in every row whose output (committed tokens, then
+        the row's path) ends with the word's other tokens (vLLM's rule)."""
+        for row, path in enumerate(paths):
+            context = [*self.output, *path]
+            for word in self.params.bad_words:
+                *head, last = word
+                if last < out.shape[-1] and (not head or context[-len(head) :] == head):
+                    out[row, last] = float("-inf")
 
     def _forbid_ending(self, out: torch.Tensor, paths: Sequence[Sequence[int]]) -> None:
         """No end-of-sequence or stop token before ``min_tokens`` output tokens; where the

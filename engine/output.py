@@ -46,7 +46,8 @@ class OutputAssembler:
         self.longest_stop = max((len(s) for s in params.stop), default=0)
 
     def _decode_raw(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+        skip = self.params.skip_special_tokens
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip))
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_raw(self.prefix + ids)[len(self.prefix_text) :]
@@ -58,6 +59,8 @@ class OutputAssembler:
         for token in tokens:
             if token in self.end_ids:
                 finish = "stop"
+                if self.params.include_stop_str_in_output:
+                    kept.append(token)
                 break
             kept.append(token)
             if len(self.token_ids) + len(kept) >= self.params.max_tokens:
@@ -88,9 +91,16 @@ class OutputAssembler:
             cut = self._first_stop(text, search_from)
             if cut is not None:
                 del self.token_ids[end:]
-                self.text = text[:cut]
+                self.text = text[: self._stop_end(text, cut)]
                 return True
         raise AssertionError("stop string found in the whole text but in no prefix of it")
+
+    def _stop_end(self, text: str, cut: int) -> int:
+        """Where the output's text ends when a stop string starts at ``cut``: there, or
+        after the (longest such) stop string with ``include_stop_str_in_output``."""
+        if not self.params.include_stop_str_in_output:
+            return cut
+        return cut + max(len(s) for s in self.params.stop if text.startswith(s, cut))
 
     def _held_back(self) -> int:
         """Characters at the end that may still turn into a stop string or a full character."""

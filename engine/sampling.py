@@ -43,7 +43,8 @@ def effective_sampling(params: SamplingParams) -> SamplingParams:
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Softmax of ``logits`` (``[..., vocab]``) after temperature, top-k and top-p, in float32,
+    """Softmax of ``logits`` (``[..., vocab]``) after temperature, min-p, top-k and top-p (vLLM's
+    order), in float32,
     for ``effective_sampling`` parameters that are not greedy.
 
     A temperature so small that ``logits / temperature`` overflows float32 would give
@@ -54,6 +55,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if not torch.isfinite(scaled.amax(dim=-1)).all():
         raw = logits.float()
         scaled = (raw - raw.amax(dim=-1, keepdim=True)) / params.temperature
+    if params.min_p > 0.0:
+        scaled = _min_p_filtered(scaled, params.min_p)
     vocab = scaled.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
@@ -67,6 +70,14 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.softmax(scaled, dim=-1)
+
+
+def _min_p_filtered(scaled: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop every token whose probability (at this temperature) is below ``min_p`` times the
+    most likely token's; the most likely always stays."""
+    probs = torch.softmax(scaled, dim=-1)
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)
+    return scaled.masked_fill(probs < threshold, float("-inf"))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

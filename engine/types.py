@@ -69,7 +69,13 @@ class SamplingParams:
     ``repetition_penalty`` divides a positive logit (multiplies a negative one) of each token
     seen in prompt or output (vLLM's and Hugging Face's); ``logit_bias`` adds to token ids'
     logits; ``min_tokens`` forbids end-of-sequence and stop tokens before that many output
-    tokens; ``constraint`` masks every token the output's grammar does not allow.
+    tokens; ``constraint`` masks every token the output's grammar does not allow;
+    ``allowed_token_ids`` (non-empty) masks every other token; ``bad_words`` (token
+    sequences) masks a sequence's last token wherever the output ends with the rest of it.
+    ``min_p`` (vLLM's) drops, after temperature, every token whose probability is below
+    ``min_p`` times the most likely token's (``engine.sampling.probabilities``).
+    ``include_stop_str_in_output`` keeps the stop string (or stop token's text) that ended
+    the output; ``skip_special_tokens`` leaves special tokens out of the text.
     ``logprobs`` asks for the log-probability of each output token and of that many most
     likely alternatives (``None``: none).
     """
@@ -78,16 +84,21 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     seed_drawn: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
     constraint: Constraint | None = None
     logprobs: int | None = None
 
@@ -104,6 +115,8 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or bool(self.logit_bias)
             or self.min_tokens > 0
+            or bool(self.allowed_token_ids)
+            or bool(self.bad_words)
             or self.constraint is not None
         )
 
