@@ -59,7 +59,7 @@ from gateway.recording import (
 )
 from gateway.recovery import instance_id
 from gateway.refusals import RefusalLog
-from gateway.routes import admin, audit, audit_alarm, completions, health, models
+from gateway.routes import admin, audit, audit_alarm, completions, health, models, tokenize
 from gateway.routes import privacy as privacy_routes
 from gateway.settings import ConfigError, Settings, engine_config
 from gateway.spool import EventSpool
@@ -366,7 +366,16 @@ def create_app(
     )
     telemetry.instrument(app)
     install_error_handlers(app)
-    for module in (completions, models, audit, audit_alarm, privacy_routes, admin, health):
+    for module in (
+        completions,
+        models,
+        tokenize,
+        audit,
+        audit_alarm,
+        privacy_routes,
+        admin,
+        health,
+    ):
         app.include_router(module.router)
     openapi.install(app)
     return app

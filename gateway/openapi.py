@@ -52,6 +52,8 @@ _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/chat/completions"): (404, 429, *_BODY),
     ("post", "/v1/completions"): (404, 429, *_BODY),
     ("get", "/v1/models/{model}"): (404,),
+    ("post", "/tokenize"): (404, *_BODY),
+    ("post", "/detokenize"): (404, *_BODY),
     ("post", "/v1/admin/keys"): (409, *_BODY),
     ("patch", "/v1/admin/keys/{key}"): (404, *_BODY),
     ("delete", "/v1/admin/keys/{key}"): (404,),

@@ -94,6 +94,10 @@ class GenerationBackend(Protocol):
         """Token ids of a plain completion prompt."""
         ...
 
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, special tokens kept (vLLM's ``/detokenize``)."""
+        ...
+
     def compile_constraint(self, constraint: Constraint) -> CompiledConstraint:
         """Check an output constraint before the request is audited, so that one the backend
         cannot serve is the client's 400 and leaves no record; raises

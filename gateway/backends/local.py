@@ -67,6 +67,9 @@ class LocalBackend:
     def tokenize(self, text: str) -> tuple[int, ...]:
         return tuple(self.engine.tokenizer.encode(text))
 
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return str(self.engine.tokenizer.decode(list(token_ids)))
+
     def compile_constraint(self, constraint: Constraint) -> CompiledConstraint:
         return self.engine.compile_constraint(constraint)
 

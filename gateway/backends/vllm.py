@@ -408,6 +408,11 @@ class VllmBackend:
             return self._tokenizer.encode(text)
         return self._server_tokenize(text)
 
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        if self._tokenizer is not None:
+            return self._tokenizer.decode(token_ids)
+        return self._server_detokenize(token_ids)
+
     def _server_tokenize(self, text: str) -> tuple[int, ...]:
         body = {"model": self._vllm_name, "prompt": text, "add_special_tokens": True}
         return tuple(int(t) for t in self._post_sync("/tokenize", body)["tokens"])
