@@ -274,6 +274,17 @@ async def _sign_checkpoints(services: Services, interval_s: float) -> None:
             log.warning("checkpoint_not_signed", error=str(error))
 
 
+async def _watch_head(services: Services, interval_s: float) -> None:
+    """Check every ``interval_s`` that the database still extends what this gateway wrote
+    and verified (``AuditLog.watch``)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await services.offload.db(services.audit.watch)
+        except AuditUnavailableError as error:
+            log.warning("audit_head_not_watched", error=str(error))
+
+
 async def _reverify_history(services: Services, period_s: float) -> None:
     """Verify the whole signed history again within every ``period_s``, a slice a tick
     (``gateway.audit.sweep``)."""
@@ -330,6 +341,7 @@ def create_app(
         reverify = asyncio.create_task(
             _reverify_history(services, settings.audit_reverify_period_s)
         )
+        watch = asyncio.create_task(_watch_head(services, settings.audit_watch_interval_s))
         lease = asyncio.create_task(_keep_lease(services, settings.lease_renew_s))
         log.info(
             "gateway_started",
@@ -349,6 +361,7 @@ def create_app(
             checkpoints.cancel()
             retention.cancel()
             reverify.cancel()
+            watch.cancel()
             lease.cancel()
             app.state.services = None
             await stop_services(services)

@@ -209,6 +209,12 @@ class Settings(BaseSettings):
     bootstrap_admin_key: SecretStr | None = None
     max_body_bytes: int = Field(default=1024 * 1024, ge=1)
     checkpoint_interval_s: float = Field(default=300.0, gt=0)
+    audit_watch_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often the gateway checks that the audit database still extends what "
+        "it wrote and verified (the bound on an unseen truncation or rewrite while idle).",
+    )
     audit_reverify_period_s: float = Field(
         default=86400.0,
         gt=0,

@@ -123,3 +123,30 @@ def test_clearing_needs_an_admin_and_an_alarm(tmp_path: Path) -> None:
             answer = httpx.post(path, json=body, headers=headers, timeout=30)
             assert answer.status_code == status, (role, answer.text)
         assert answer.json()["error"]["code"] == "no_alarm"
+
+
+def test_an_idle_gateway_sees_a_truncation_within_its_watch_interval(tmp_path: Path) -> None:
+    """No request and no checkpoint after the deletion: the watch (``audit_watch_interval_s``)
+    raises the alarm and `/readyz` fails within the interval and a read."""
+    models = build_pair(tmp_path / "models")
+    interval = 2.0
+    with fresh_database() as (name, superuser_url), writer_login(name) as writer_url:
+        upgrade_database(superuser_url)
+        attacker = make_db_engine(superuser_url)
+        settings = gateway_settings(
+            models,
+            tmp_path / "data",
+            writer_url,
+            migrate=False,
+            checkpoint_interval_s=3600,
+            audit_watch_interval_s=interval,
+        )
+        with live_gateway(settings, name) as live:
+            assert chat(live.base_url, live.keys["app"]).status_code == 200
+            rewrite(attacker, lambda events: events[:-2])
+            deleted = time.monotonic()
+            while httpx.get(live.base_url + "/readyz", timeout=30).status_code == 200:
+                assert time.monotonic() - deleted < interval + 3.0
+                time.sleep(0.1)
+            assert "truncation" in str(live.services.audit.tamper)
+        attacker.dispose()

@@ -23,7 +23,13 @@ from gateway.audit.schema import audit_events, audit_head
 from gateway.audit.signing import CheckpointSigner
 from gateway.audit.state import load_anchor
 from gateway.db import make_db_engine
-from tests.test_audit_tamper import MAC, consistent_rewrite, edit_payload, rewrite
+from tests.test_audit_tamper import (
+    MAC,
+    consistent_rewrite,
+    edit_payload,
+    forged_insert_at_head,
+    rewrite,
+)
 
 SERVED = 12  # requests before the attack; a checkpoint covers them
 
@@ -92,9 +98,7 @@ def test_truncating_the_unsigned_tail_under_traffic_is_refused(
         served.append("request", "key_app", {"after": "attack", "n": 2})
 
 
-def test_a_rewritten_tail_of_the_same_length_is_refused(
-    served: AuditLog, db: sa.Engine
-) -> None:
+def test_a_rewritten_tail_of_the_same_length_is_refused(served: AuditLog, db: sa.Engine) -> None:
     """The newest events replaced by as many others (chain and tree recomputed, old MACs):
     same size, another root."""
     serve_unsigned(served, 3)
@@ -195,3 +199,40 @@ def test_a_truncation_is_cleared_only_by_restoring_or_accepting_the_loss(
         signed.frontier.root(),
         unb64_hash(checkpoint["root"]),
     )
+
+
+def test_an_idle_truncation_is_seen_by_the_watch(served: AuditLog, db: sa.Engine) -> None:
+    serve_unsigned(served, 7)
+    rewrite(db, lambda events: events[:-7])
+    served.watch()  # no request, no checkpoint
+    assert served.tamper is not None and "truncation" in served.tamper.reason
+
+
+def test_a_forged_event_at_the_head_is_seen_by_the_watch(served: AuditLog, db: sa.Engine) -> None:
+    forged_insert_at_head(db)
+    forged = head_size(db)
+    served.watch()
+    assert served.tamper is not None and served.tamper.first_bad_seq == forged
+
+
+def test_an_old_row_rewritten_with_its_tree_is_seen_by_the_watch(
+    served: AuditLog, db: sa.Engine
+) -> None:
+    consistent_rewrite(db)
+    served.watch()
+    assert served.tamper is not None and served.tamper.first_bad_seq == 4
+
+
+def test_the_watch_verifies_other_writers_events_and_moves_on(
+    served: AuditLog, db: sa.Engine, tmp_path: Path
+) -> None:
+    replica = AuditLog(db, mac=MAC)
+    for i in range(5):
+        replica.append("request", "key_replica", {"i": i})
+    served.watch()
+    assert served.tamper is None
+    assert load_anchor(tmp_path / "audit-checkpoint-state.appended").size == head_size(db)
+    AuditLog(db).append("request", "key_forger", {"no": "mac"})  # a writer without the key
+    forged = head_size(db)
+    served.watch()
+    assert served.tamper is not None and served.tamper.first_bad_seq == forged

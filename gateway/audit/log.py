@@ -464,12 +464,13 @@ class AuditLog:
     def _alarm_cause(alarm: Alarm) -> tuple[int | None, str]:
         return alarm.first_bad_seq, alarm.reason
 
-    def remember_appended(self, frontier: CompactRange) -> None:
-        """Note the tree after this gateway's newest committed events, in memory and in the
-        anchor file, before the appends' callers are answered (the truncation check)."""
+    def remember_appended(self, frontier: CompactRange, head_hash: str) -> None:
+        """Note the tree after this gateway's newest committed events (or the newest head it
+        verified), in memory and in the anchor file, before the appends' callers are
+        answered (the truncation check)."""
         with self._lock:
             if frontier.size > self._appended.size:
-                self._appended = Anchor(frontier.size, frontier.root())
+                self._appended = Anchor.after(frontier, head_hash)
                 try:
                     save_anchor(self._anchor_path, self._appended)
                 except OSError as error:  # kept in memory; a restart checks an older anchor
@@ -531,7 +532,7 @@ class AuditLog:
             known, self._known_head = self._known_head, None
             written = None if known is None else self._append_at(known, events)
             results, frontier = written or once_more_if_ended(commit)
-            self.remember_appended(frontier)
+            self.remember_appended(frontier, results[-1].event_hash)
             if self._db.dialect.name == "postgresql":
                 self._known_head = KnownHead.after(frontier, results[-1].event_hash)
         except BaseException as exc:  # every waiting caller must wake, whatever happened
@@ -558,12 +559,13 @@ class AuditLog:
             known, self._known_head = self._known_head, None
             return known
 
-    def release_writer(self, appended: CompactRange | None, head: KnownHead | None) -> None:
-        """End a ``claim_known_head``: ``appended``, the tree after the claimer's committed
-        events (None: nothing committed); ``head``, the head to write at next (None: unknown,
-        the next append takes the lock). The first queued caller becomes the writer."""
-        if appended is not None:
-            self.remember_appended(appended)
+    def release_writer(self, head: KnownHead | None, committed: bool = False) -> None:
+        """End a ``claim_known_head``: ``head``, the head to write at next (None: unknown, the
+        next append takes the lock), which the claimer's events made (``committed``) or which
+        is still the one it claimed. The first queued caller becomes the writer."""
+        if committed:
+            assert head is not None
+            self.remember_appended(head.frontier(), head.head_hash)
         with self._lock:
             if head is not None:
                 self._known_head = head
@@ -658,13 +660,15 @@ class AuditLog:
     def _checkpoint(self) -> dict[str, Any]:
         signer = self.signer
         self._adopt_legacy()
-        # The bulk of the check runs without the append lock; only the tail under it.
+        # The bulk of the check runs without the append lock; only the tail under it. The
+        # anchor is read before the head: this gateway's appends only ever move it forward.
+        anchor = self._appended
         with self._db.connect() as connection:
             size = connection.execute(sa.select(audit_head.c.tree_size)).scalar_one()
-            state = self._extend(connection, self._state, size)
+            state = self._extend(connection, self._state, size, anchor)
         with write_connection(self._db) as connection, connection.begin():
             head = lock_head(connection, self._lock_timeout_s)
-            state = self._extend(connection, state, head.tree_size)
+            state = self._extend(connection, state, head.tree_size, self._appended)
             if state.frontier.hashes != _frontier(head.tree_size, head.frontier).hashes:
                 raise self._located(connection, "the head row's compact range was changed")
             size, root = state.frontier.size, state.frontier.root()
@@ -676,10 +680,10 @@ class AuditLog:
                 "key_fingerprint": signer.fingerprint,
                 "signed_at": format_timestamp(datetime.now(UTC)),
             }
-            _, after = _insert(
+            (event,), after = _insert(
                 connection, [("checkpoint", "specgate", payload)], self._mac, self._lock_timeout_s
             )
-        self.remember_appended(after)
+        self.remember_appended(after, event.event_hash)
         self._state = SignedState(note, state.head_hash, state.frontier)
         try:
             save_state(self._state_path, self._state)
@@ -695,11 +699,14 @@ class AuditLog:
             with write_connection(self._db) as connection, connection.begin():
                 insert_events(connection, [], self._mac, self._lock_timeout_s)
 
-    def _extend(self, connection: sa.Connection, state: SignedState, size: int) -> SignedState:
+    def _extend(
+        self, connection: sa.Connection, state: SignedState, size: int, anchor: Anchor
+    ) -> SignedState:
         """``state`` extended by the events after it up to ``size``, each checked (sequence,
-        chain, hash, MAC); the stored tree must then have the same root."""
+        chain, hash, MAC); the stored tree must then have the same root, and the tree at the
+        ``anchor``'s size (this gateway's newest append, read before ``size``) its root."""
         trusted = state.frontier.size
-        appended_size, appended_root = self._appended.size, self._appended.root
+        appended_size, appended_root = anchor.size, anchor.root
         known = max(trusted, appended_size)
         if size < known:
             raise self._located(
@@ -843,11 +850,11 @@ class AuditLog:
             kind, actor = checked_event("alarm_cleared", actor)
             self.forget_known_head()
             try:
-                frontier = self._record_clearing(kind, actor, payload, accept_head)
+                after = self._record_clearing(kind, actor, payload, accept_head)
             except SQLAlchemyError as exc:
                 raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
             with self._lock:
-                self._appended = Anchor(frontier.size, frontier.root())
+                self._appended = Anchor.after(*after)
                 save_anchor(self._anchor_path, self._appended)
             with self._alarm_lock:
                 self.tamper, self.alarm = None, None
@@ -857,28 +864,54 @@ class AuditLog:
 
     def _record_clearing(
         self, kind: str, actor: str | None, payload: dict[str, Any], accept_head: bool
-    ) -> CompactRange:
-        """Append the ``alarm_cleared`` event (``clear_alarm``); the tree after it."""
+    ) -> tuple[CompactRange, str]:
+        """Append the ``alarm_cleared`` event (``clear_alarm``); the tree and head hash after
+        it."""
         with write_connection(self._db) as connection, connection.begin():
             head = lock_head(connection, self._lock_timeout_s)
             if accept_head:
                 payload["accepted_head"] = self._accepted_head(head)
             else:
                 self._check_extends_anchor(connection, head)
-            _, frontier = _insert(
+            (event,), frontier = _insert(
                 connection,
                 [(kind, actor, normalise_payload(payload))],
                 self._mac,
                 self._lock_timeout_s,
             )
-        return frontier
+        return frontier, event.event_hash
 
     def _accepted_head(self, head: sa.Row[Any]) -> dict[str, Any]:
         """The head an operator accepts, and the tree this gateway had written that it
         replaces (``written``): where the two differ, what was lost is on record."""
         root = _frontier(head.tree_size, head.frontier).root()
-        written = {"size": self._appended.size, "root": b64(self._appended.root)}
+        anchor = self._appended
+        written = {"size": anchor.size, "root": b64(anchor.root)}
         return {"size": head.tree_size, "root": b64(root), "written": written}
+
+    def watch(self) -> None:
+        """Check, without the append lock, that the database still extends the anchor (or the
+        signed checkpoint, if newer): the events other writers appended since are checked
+        (sequence, chain, hash, MAC) and the head row must hold their tree. Then the anchor
+        moves to the head, which this gateway has now verified. Run every
+        ``audit_watch_interval_s``, it bounds how long a truncation, a rewrite of the tree or a
+        forged event at the head goes unseen on an idle gateway. A failure raises the alarm."""
+        if self.tamper is not None:
+            return
+        anchor = self._appended  # before the head: this gateway's appends only move it on
+        base = anchor.as_state() if anchor.size >= self._state.frontier.size else self._state
+        try:
+            with self._db.connect() as connection:  # one snapshot for the head and events
+                head = connection.execute(sa.select(audit_head)).one()
+                state = self._extend(connection, base, head.tree_size, anchor)
+                if state.frontier.hashes != _frontier(head.tree_size, head.frontier).hashes:
+                    raise self._located(connection, "the head row's compact range was changed")
+        except TamperDetectedError as error:
+            self.raise_alarm(error)
+            return
+        except SQLAlchemyError as exc:
+            raise AuditUnavailableError(f"audit store unavailable: {exc}") from exc
+        self.remember_appended(state.frontier, state.head_hash)
 
     def reverify(self, max_events: int) -> bool:
         """One slice of the scheduled re-verification of the signed history

@@ -121,7 +121,7 @@ class LoopAppender:
         try:
             built = build_events([event], known.head_hash, frontier, audit.mac)
         except BaseException:
-            audit.release_writer(None, known)
+            audit.release_writer(known)
             raise
         task = loop.create_task(self._append(_Attempt(known, frontier, built, event, result)))
         self._tasks.add(task)
@@ -149,11 +149,11 @@ class LoopAppender:
         try:
             connection = await self._connected()
         except (psycopg.Error, OSError) as error:  # nothing was sent: the head is still known
-            audit.release_writer(None, known)
+            audit.release_writer(known)
             log.warning("loop_append_unconnected", error=str(error))
             return await self._in_pool(audit.append_unobserved, *event)
         except asyncio.CancelledError:
-            audit.release_writer(None, known)
+            audit.release_writer(known)
             self._chain(attempt.result, audit.append_unobserved, *event)
             raise _HandedOn from None
         params = append_params(
@@ -163,7 +163,7 @@ class LoopAppender:
             cursor = await connection.execute(APPEND, params)
             row = await cursor.fetchone()
         except psycopg.Error as error:
-            audit.release_writer(None, None)
+            audit.release_writer(None)
             if not connection.broken:
                 raise AuditUnavailableError(f"audit store unavailable: {error}") from error
             self._drop(connection)
@@ -171,14 +171,14 @@ class LoopAppender:
         except asyncio.CancelledError:
             # Stopped (``close``) with the statement in flight: its fate is read back on the
             # pool, not waited for here, and the connection is not used again.
-            audit.release_writer(None, None)
+            audit.release_writer(None)
             self._drop(connection)
             self._chain(attempt.result, self._settle, attempt)
             raise _HandedOn from None
         if not (row and row[0]):  # another writer moved the head: nothing was written
-            audit.release_writer(None, None)
+            audit.release_writer(None)
             return await self._in_pool(audit.append_unobserved, *event)
-        audit.release_writer(frontier, KnownHead.after(frontier, built.head_hash))
+        audit.release_writer(KnownHead.after(frontier, built.head_hash), committed=True)
         return built.appended[0]
 
     def _settle(self, attempt: _Attempt) -> AppendedEvent:
@@ -186,7 +186,7 @@ class LoopAppender:
         committed, else appended now."""
         appended = attempt.built.appended[0]
         if self._audit.written(appended.event_id):
-            self._audit.remember_appended(attempt.frontier)
+            self._audit.remember_appended(attempt.frontier, attempt.built.head_hash)
             return appended
         return self._audit.append_unobserved(*attempt.event)
 

@@ -10,6 +10,7 @@ database still extends what it signed and wrote before it appends or signs again
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -51,21 +52,45 @@ class SignedState:
 
 @dataclass(frozen=True)
 class Anchor:
-    """The tree after this gateway's newest committed append: ``size`` leaves with ``root``."""
+    """The tree after this gateway's newest committed append, or the newest head it verified:
+    ``size`` leaves, the chain's ``head_hash`` and the compact range (``hashes``)."""
 
     size: int
-    root: bytes
+    head_hash: str
+    hashes: tuple[bytes, ...]
+
+    @classmethod
+    def after(cls, frontier: CompactRange, head_hash: str) -> Anchor:
+        return cls(frontier.size, head_hash, tuple(frontier.hashes))
+
+    def frontier(self) -> CompactRange:
+        return CompactRange(self.size, list(self.hashes))
+
+    @functools.cached_property
+    def root(self) -> bytes:
+        return self.frontier().root()
+
+    def as_state(self) -> SignedState:
+        """The anchor as a starting point for checking the events after it."""
+        return SignedState("", self.head_hash, self.frontier())
 
     def dumps(self) -> str:
-        return json.dumps({"size": self.size, "root": b64(self.root)})
+        return json.dumps(
+            {
+                "size": self.size,
+                "head_hash": self.head_hash,
+                "frontier": [b64(h) for h in self.hashes],
+            }
+        )
 
     @classmethod
     def loads(cls, text: str) -> Anchor:
         value = json.loads(text)
-        return cls(int(value["size"]), unb64_hash(value["root"]))
+        hashes = tuple(unb64_hash(h) for h in value["frontier"])
+        return cls(int(value["size"]), str(value["head_hash"]), hashes)
 
 
-NO_ANCHOR = Anchor(0, b"")
+NO_ANCHOR = Anchor(0, GENESIS_HASH, ())
 
 
 @dataclass(frozen=True)
