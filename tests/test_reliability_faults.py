@@ -378,7 +378,7 @@ def _serve(
 
 def _wait_ready(port: int, process: subprocess.Popen[bytes]) -> None:
     def ready() -> bool:
-        assert process.poll() is None, process.stderr.read() if process.stderr else b""
+        assert process.poll() is None, (process.stderr.read() if process.stderr else b"")[-4000:]
         try:
             return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
         except httpx.HTTPError:
