@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +27,30 @@ CANDIDATES = (torch.bfloat16, torch.float32)
 # Enough copies of a layer's weights that each pass reads them from memory, not from cache.
 _COLD_BYTES = 64 * 1024 * 1024
 _ROUNDS = 5
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype the target is served in, why, and (where it was measured) the median CPU
+    seconds of the probe for each candidate: recorded in the `startup` event and answered by
+    ``GET /v1/models``, so that which dtype `auto` chose is on record."""
+
+    requested: str
+    dtype: torch.dtype
+    reason: str
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+
+    def as_record(self) -> dict[str, Any]:
+        return {
+            "requested": self.requested,
+            "chosen": dtype_name(self.dtype),
+            "reason": self.reason,
+            "measured_cpu_s": dict(self.cpu_seconds),
+        }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _sweep_seconds(layers: list[torch.nn.Linear], inputs: dict[int, torch.Tensor]) -> float:
@@ -39,7 +65,7 @@ def _sweep_seconds(layers: list[torch.nn.Linear], inputs: dict[int, torch.Tensor
 
 
 @functools.cache
-def faster_cpu_dtype(hidden: int, intermediate: int, verify_tokens: int = 5) -> torch.dtype:
+def faster_cpu_dtype(hidden: int, intermediate: int, verify_tokens: int = 5) -> DtypeChoice:
     """The candidate dtype with the least median CPU time for a one-token plus a
     ``verify_tokens``-token pass through a decoder layer's projections (hidden to hidden, and
     to and from ``intermediate``), over cache-cold copies of them, through the layers the
@@ -67,7 +93,13 @@ def faster_cpu_dtype(hidden: int, intermediate: int, verify_tokens: int = 5) -> 
                 )
                 if round_:
                     times[dtype].append(total)
-    return min(CANDIDATES, key=lambda dtype: statistics.median(times[dtype]))
+    medians = {dtype: statistics.median(times[dtype]) for dtype in CANDIDATES}
+    return DtypeChoice(
+        "auto",
+        min(CANDIDATES, key=medians.__getitem__),
+        "measured faster for the model's layer shapes on this CPU",
+        {dtype_name(dtype): round(seconds, 6) for dtype, seconds in medians.items()},
+    )
 
 
 def _as_served(weight: torch.Tensor) -> torch.nn.Linear:

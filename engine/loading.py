@@ -19,7 +19,7 @@ from transformers import (
 
 from engine.attention import use_cpu_gqa_attention
 from engine.config import DType
-from engine.dtype_choice import faster_cpu_dtype
+from engine.dtype_choice import DtypeChoice, faster_cpu_dtype
 from engine.types import IncompatibleDraftError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -47,21 +47,31 @@ def cpu_has_native_bfloat16() -> bool:
 def pick_dtype(
     requested: DType, device: torch.device, num_parameters: int,
     config: PretrainedConfig | None = None,
-) -> torch.dtype:
+) -> DtypeChoice:
     """``auto``: bfloat16 on CUDA (float16 where bf16 is missing). On CPU, for models large
     enough to be memory-bound, the dtype measured faster for the model's layer shapes
     (``engine.dtype_choice``) where the CPU computes bf16 natively, else float32."""
     if requested != "auto":
-        return _DTYPES[requested]
+        return DtypeChoice(requested, _DTYPES[requested], "requested")
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if num_parameters >= SMALL_MODEL_PARAMETERS and cpu_has_native_bfloat16():
-        hidden = getattr(config, "hidden_size", None)
-        intermediate = getattr(config, "intermediate_size", None)
-        if isinstance(hidden, int) and isinstance(intermediate, int):
-            return faster_cpu_dtype(hidden, intermediate)
-        return torch.bfloat16
-    return torch.float32
+        if torch.cuda.is_bf16_supported():
+            return DtypeChoice(requested, torch.bfloat16, "CUDA")
+        return DtypeChoice(requested, torch.float16, "CUDA without bfloat16")
+    if num_parameters < SMALL_MODEL_PARAMETERS:
+        return DtypeChoice(requested, torch.float32, "a small model is not memory-bound")
+    if not cpu_has_native_bfloat16():
+        return DtypeChoice(requested, torch.float32, "this CPU emulates bfloat16")
+    hidden = getattr(config, "hidden_size", None)
+    intermediate = getattr(config, "intermediate_size", None)
+    if isinstance(hidden, int) and isinstance(intermediate, int):
+        return faster_cpu_dtype(hidden, intermediate)
+    return DtypeChoice(requested, torch.bfloat16, "native bfloat16, layer shapes unknown")
+
+
+def choose_dtype(model_dir: Path, device: torch.device, requested: DType) -> DtypeChoice:
+    """The dtype ``load_model`` loads ``model_dir`` in, and why (``pick_dtype``)."""
+    config = text_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    return pick_dtype(requested, device, checkpoint_parameters(model_dir), config)
 
 
 def checkpoint_parameters(model_dir: Path) -> int:
@@ -83,8 +93,7 @@ def load_model(model_dir: Path, device: torch.device, dtype: DType) -> PreTraine
     own rules hold: buffers it keeps in float32 (the rotary ``inv_freq``: in bfloat16 its
     cos is off by up to 1.5 at position 1000) and the class's ``_keep_in_fp32_modules``.
     """
-    config = text_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
-    chosen = pick_dtype(dtype, device, checkpoint_parameters(model_dir), config)
+    chosen = choose_dtype(model_dir, device, dtype).dtype
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=chosen)
     torch.nn.Module.to(model, device=device)  # moves only; dtypes stay as loaded
     use_cpu_gqa_attention(model)

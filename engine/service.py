@@ -29,9 +29,11 @@ from engine.compat import continues_exactly
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.decoding import Speculation, decode, prefill
 from engine.delta_channel import DeltaChannel
+from engine.dtype_choice import DtypeChoice
 from engine.grammar import Grammars
 from engine.kernels import decode_attention, small_gemm
 from engine.loading import (
+    choose_dtype,
     context_window,
     embedding_rows,
     load_model,
@@ -114,10 +116,15 @@ class Engine:
         tokenizer: PreTrainedTokenizerBase,
         target_version: str,
         on_fallback: FallbackListener | None = None,
+        dtype_choice: DtypeChoice | None = None,
     ) -> None:
         """Serve ``target``; every registered speculation method the configuration provides
-        for (``engine.methods``) loads its artefacts here."""
+        for (``engine.methods``) loads its artefacts here. ``dtype_choice``: how the target's
+        dtype was chosen (``Engine.load``); by default, the caller's as loaded."""
         self.config = config
+        self.dtype_choice = dtype_choice or DtypeChoice(
+            config.dtype, target.dtype, "the caller's model as loaded"
+        )
         self.speculative_config: SpeculativeConfig = config.speculative
         self.tokenizer = tokenizer
         self.model_name = config.served_model_name or config.target.name
@@ -212,8 +219,10 @@ class Engine:
         if device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
         tokenizer = load_tokenizer(config.target)
+        choice = choose_dtype(config.target, device, config.dtype)
         target = load_model(config.target, device, config.dtype)
-        return cls(config, target, tokenizer, model_version(config.target), on_fallback)
+        version = model_version(config.target)
+        return cls(config, target, tokenizer, version, on_fallback, choice)
 
     @property
     def queue_depth(self) -> int:

@@ -127,6 +127,7 @@ def startup_payload(settings: Settings, card: BackendCard) -> dict[str, Any]:
         "speculative_config": card.speculative_config,
         "max_context": card.max_context,
         "batching": card.batching,
+        "dtype": card.dtype,
     }
 
 

@@ -466,6 +466,11 @@ class ModelCard(BaseModel):
     )
     speculative_methods: list[Method]
     max_context: int
+    dtype: dict[str, Any] | None = Field(
+        default=None,
+        description="The dtype the target is served in: requested, chosen, why, and the "
+        "measured CPU seconds per candidate where `auto` measured them.",
+    )
     notes: list[str] = Field(
         default_factory=list,
         description="How this model is served, e.g. a demo draft not built yet.",

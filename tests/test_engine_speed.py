@@ -57,7 +57,12 @@ def test_auto_dtype_is_the_one_measured_faster(
         chosen = dtype_choice.faster_cpu_dtype(64, 128, verify_tokens=5)
     finally:
         dtype_choice.faster_cpu_dtype.cache_clear()
-    assert chosen != slower and chosen in dtype_choice.CANDIDATES
+    assert chosen.dtype != slower and chosen.dtype in dtype_choice.CANDIDATES
+    # The figures it chose by are on record (CPU seconds of a 1-row and a 5-row pass).
+    assert chosen.as_record()["measured_cpu_s"] == {
+        dtype_choice.dtype_name(d): 4.0 if d == slower else 2.0 for d in dtype_choice.CANDIDATES
+    }
+    assert chosen.as_record()["chosen"] == dtype_choice.dtype_name(chosen.dtype)
     assert set(measured) == {(d, rows) for d in dtype_choice.CANDIDATES for rows in (1, 5)}
     # Rounds alternate between the dtypes (a load change hits both alike).
     assert [d for d, rows in measured[:4:2]] == list(dtype_choice.CANDIDATES)
@@ -68,22 +73,24 @@ def test_pick_dtype_measures_large_models_on_cpus_with_native_bfloat16(
 ) -> None:
     asked: list[tuple[int, int]] = []
 
-    def faster(hidden: int, intermediate: int) -> torch.dtype:
+    def faster(hidden: int, intermediate: int) -> dtype_choice.DtypeChoice:
         asked.append((hidden, intermediate))
-        return torch.float32
+        return dtype_choice.DtypeChoice("auto", torch.float32, "measured", {"float32": 1.0})
 
     monkeypatch.setattr(loading, "faster_cpu_dtype", faster)
     monkeypatch.setattr(loading, "cpu_has_native_bfloat16", lambda: True)
     config = type("Config", (), {"hidden_size": 576, "intermediate_size": 1536})()
     cpu = torch.device("cpu")
     big = loading.SMALL_MODEL_PARAMETERS
-    assert loading.pick_dtype("auto", cpu, big, config) == torch.float32  # type: ignore[arg-type]
+    assert loading.pick_dtype("auto", cpu, big, config).reason == "measured"  # type: ignore[arg-type]
     assert asked == [(576, 1536)]
-    assert loading.pick_dtype("auto", cpu, big - 1, config) == torch.float32  # type: ignore[arg-type]
-    assert loading.pick_dtype("bfloat16", cpu, big, config) == torch.bfloat16  # type: ignore[arg-type]
+    small = loading.pick_dtype("auto", cpu, big - 1, config)  # type: ignore[arg-type]
+    assert (small.dtype, small.reason) == (torch.float32, "a small model is not memory-bound")
+    assert loading.pick_dtype("bfloat16", cpu, big, config).dtype == torch.bfloat16  # type: ignore[arg-type]
     assert asked == [(576, 1536)]
     monkeypatch.setattr(loading, "cpu_has_native_bfloat16", lambda: False)
-    assert loading.pick_dtype("auto", cpu, big, config) == torch.float32  # type: ignore[arg-type]
+    emulated = loading.pick_dtype("auto", cpu, big, config)  # type: ignore[arg-type]
+    assert (emulated.dtype, emulated.reason) == (torch.float32, "this CPU emulates bfloat16")
     assert asked == [(576, 1536)]
 
 

@@ -46,6 +46,9 @@ class BackendCard:
     # "version"} each (``engine.methods.Artefact``); version None where a remote server
     # does not report it.
     artefacts: tuple[dict[str, str | None], ...] = ()
+    # The dtype the target is served in and why (``engine.dtype_choice.DtypeChoice``); None
+    # where a remote server does not report it.
+    dtype: dict[str, Any] | None = None
 
     def has_artefact(self, kind: str) -> bool:
         return any(artefact["kind"] == kind for artefact in self.artefacts)

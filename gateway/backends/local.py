@@ -44,6 +44,7 @@ class LocalBackend:
             or parser_for_template(getattr(engine.tokenizer, "chat_template", None)),
             batching=engine.batching_mode,
             artefacts=engine.artefacts,
+            dtype=engine.dtype_choice.as_record(),
         )
 
     @classmethod

@@ -22,6 +22,7 @@ def _card(card: BackendCard, created: int, notes: list[str]) -> ModelCard:
         artefacts=[Artefact.model_validate(a) for a in card.artefacts],
         speculative_methods=list(card.available_methods),
         max_context=card.max_context,
+        dtype=card.dtype,
         notes=notes,
     )
 
