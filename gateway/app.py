@@ -59,7 +59,16 @@ from gateway.recording import (
 )
 from gateway.recovery import instance_id
 from gateway.refusals import RefusalLog
-from gateway.routes import admin, audit, audit_alarm, completions, health, models, tokenize
+from gateway.routes import (
+    admin,
+    audit,
+    audit_alarm,
+    completions,
+    health,
+    models,
+    responses,
+    tokenize,
+)
 from gateway.routes import privacy as privacy_routes
 from gateway.settings import ConfigError, Settings, engine_config
 from gateway.spool import EventSpool
@@ -381,6 +390,7 @@ def create_app(
     install_error_handlers(app)
     for module in (
         completions,
+        responses,
         models,
         tokenize,
         audit,

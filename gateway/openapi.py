@@ -51,6 +51,7 @@ _BODY = (408, 413)
 _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/chat/completions"): (404, 429, *_BODY),
     ("post", "/v1/completions"): (404, 429, *_BODY),
+    ("post", "/v1/responses"): (404, 429, *_BODY),
     ("get", "/v1/models/{model}"): (404,),
     ("post", "/tokenize"): (404, *_BODY),
     ("post", "/detokenize"): (404, *_BODY),
@@ -68,7 +69,11 @@ _SUCCESS_CONTENT: dict[tuple[str, str], dict[str, Any]] = {
     ("get", "/v1/audit/public-key"): {"application/x-pem-file": _STRING},
     ("get", "/v1/audit/checkpoint"): {"text/plain": _STRING},
 }
-_STREAMS = {("post", "/v1/chat/completions"), ("post", "/v1/completions")}
+_STREAMS = {
+    ("post", "/v1/chat/completions"),
+    ("post", "/v1/completions"),
+    ("post", "/v1/responses"),
+}
 
 
 def _error(status: int) -> dict[str, Any]:
