@@ -376,23 +376,16 @@ def audit_clear_alarm(
 
 
 def _clear_alarm_at(url: str, key: str, evidence: str, accept_head: bool) -> dict[str, object]:
-    import httpx
+    from gateway.cli_http import post_to_gateway
 
-    try:
-        response = httpx.post(
-            f"{url.rstrip('/')}/v1/admin/audit/alarm/clear",
-            json={"evidence": evidence, "accept_head": accept_head},
-            headers={"authorization": f"Bearer {key}"},
-            timeout=60,
-        )
-    except httpx.HTTPError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2) from None
-    if response.status_code != 200:
-        message = response.json().get("error", {}).get("message", response.text)
-        typer.echo(f"error ({response.status_code}): {message}", err=True)
-        raise typer.Exit(1 if response.status_code == 409 else 2)
-    answer: dict[str, object] = response.json()
+    answer: dict[str, object] = post_to_gateway(
+        url,
+        "/v1/admin/audit/alarm/clear",
+        key,
+        body={"evidence": evidence, "accept_head": accept_head},
+        timeout_s=60,
+        exit_codes={409: 1},
+    )
     return answer
 
 

@@ -213,23 +213,11 @@ def audit_replay(
     gateway refuses or cannot be asked."""
     import json
 
-    import httpx
+    from gateway.cli_http import post_to_gateway
 
-    try:
-        response = httpx.post(
-            f"{url.rstrip('/')}/v1/audit/replay/{event_id}",
-            params={"method": method} if method else None,
-            headers={"authorization": f"Bearer {key}"},
-            timeout=600,
-        )
-    except httpx.HTTPError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2) from None
-    if response.status_code != 200:
-        message = response.json().get("error", {}).get("message", response.text)
-        typer.echo(f"error ({response.status_code}): {message}", err=True)
-        raise typer.Exit(2)
-    report = response.json()
+    path = f"/v1/audit/replay/{event_id}"
+    params = {"method": method} if method else None
+    report = post_to_gateway(url, path, key, params=params, timeout_s=600)
     typer.echo(json.dumps(report, indent=2))
     if not report["replayed"]:
         typer.echo("NO MATCH CLAIMED: " + "; ".join(report["differences"]), err=True)

@@ -123,6 +123,11 @@ def test_clearing_needs_an_admin_and_an_alarm(tmp_path: Path) -> None:
             answer = httpx.post(path, json=body, headers=headers, timeout=30)
             assert answer.status_code == status, (role, answer.text)
         assert answer.json()["error"]["code"] == "no_alarm"
+        command = ["audit", "clear-alarm", "--evidence", "x", "--url", live.base_url]
+        kept = CliRunner().invoke(admin_cli(), [*command, "--key", live.keys["admin"]])
+        assert kept.exit_code == 1 and "no tamper alarm stands" in kept.output
+        refused = CliRunner().invoke(admin_cli(), [*command, "--key", live.keys["app"]])
+        assert refused.exit_code == 2 and "error (403)" in refused.output
 
 
 def test_an_idle_gateway_sees_a_truncation_within_its_watch_interval(tmp_path: Path) -> None:
