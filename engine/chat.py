@@ -12,12 +12,17 @@ out in its messages: the tools and the ``<tool_call>`` format in the system mess
 calls as ``<tool_call>`` JSON in the assistant's text, results as ``<tool_response>`` in a
 user turn, so that the output parser (``engine.tool_parsers``) reads what the model was
 shown.
+
+``TemplateOptions`` carries vLLM's rendering options: ``add_generation_prompt``,
+``continue_final_message`` (the last assistant message is left open for the model to go on
+with) and ``chat_template_kwargs`` (extra template variables, e.g. ``enable_thinking``).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2.exceptions import TemplateError
@@ -33,13 +38,36 @@ HERMES_TOOL_PROMPT = (
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
 
+# ``apply_chat_template``'s own parameters and the variables it sets: template kwargs may not
+# replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages", "conversation", "tools", "documents", "chat_template", "tokenize",
+        "add_generation_prompt", "continue_final_message", "return_dict", "tokenizer_kwargs",
+        "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+        "return_tensors", "bos_token", "eos_token", "raise_exception",
+    }
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+DEFAULT_TEMPLATE = TemplateOptions()
+
 
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
+    options: TemplateOptions = DEFAULT_TEMPLATE,
 ) -> str:
-    """The prompt text for ``messages`` (and ``tools``), with the generation prompt added."""
+    """The prompt text for ``messages`` (and ``tools``), rendered as ``options`` ask (by
+    default with the generation prompt added)."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise NoChatTemplateError(
@@ -54,9 +82,11 @@ def render_chat(
             rendered,
             tools=[dict(tool) for tool in tools] if tools and knows_tools else None,
             tokenize=False,
-            add_generation_prompt=True,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **options.kwargs,
         )
-    except TemplateError as error:
+    except (TemplateError, ValueError) as error:
         raise InvalidRequestError(
             f"The model's chat template refused these messages: {error}", "messages"
         ) from error

@@ -23,6 +23,7 @@ import anyio
 import structlog
 from pydantic import BaseModel
 
+from engine.chat import RESERVED_TEMPLATE_KWARGS, TemplateOptions
 from engine.tool_parsers import (
     READERS,
     ArgumentsDelta,
@@ -111,6 +112,7 @@ class Prompt:
     committed: bytes
     content: Any
     param: str
+    template: dict[str, Any] | None = None  # a chat prompt's template options, as recorded
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,8 @@ class Job:
     include_usage: bool
     user: str | None
     store_content: bool = False
+    client_request_id: str | None = None  # vLLM's request_id: recorded, never the id
+    continuous_usage: bool = False  # usage so far in every streamed chunk (vLLM's)
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolPlan | None = None
     compiled: CompiledConstraint | None = None  # the sampling's constraint, compiled
@@ -207,8 +211,9 @@ def _check_prompt_bytes(size: int, limit: int, param: str) -> None:
 def chat_prompt(
     body: ChatCompletionRequest, backend: GenerationBackend, max_prompt_bytes: int
 ) -> Prompt:
-    """Render the messages with the model's chat template (generation prompt added); the
-    tools too unless ``tool_choice`` is ``none``."""
+    """Render the messages with the model's chat template, as the request's template options
+    ask (by default with the generation prompt added); the tools too unless ``tool_choice``
+    is ``none``."""
     messages: list[dict[str, Any]] = []
     for message in body.messages:
         rendered: dict[str, Any] = {
@@ -237,13 +242,47 @@ def chat_prompt(
     )
     size = len(json.dumps(messages).encode("utf-8")) + len(json.dumps(tools).encode("utf-8"))
     _check_prompt_bytes(size, max_prompt_bytes, "messages")
-    text, token_ids = backend.render_chat(messages, tools)
+    options = template_options(body)
+    text, token_ids = backend.render_chat(messages, tools, options)
     return Prompt(
         token_ids,
         text_bytes(text),
         [m.model_dump(exclude_none=True) for m in body.messages],
         "messages",
+        {
+            "add_generation_prompt": options.add_generation_prompt,
+            "continue_final_message": options.continue_final_message,
+            "chat_template_kwargs": dict(options.kwargs),
+        },
     )
+
+
+def template_options(body: ChatCompletionRequest) -> TemplateOptions:
+    """vLLM's template options, checked as vLLM checks them."""
+    if body.continue_final_message:
+        if body.add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message needs add_generation_prompt: false (the final message "
+                "is continued, not answered).",
+                param="continue_final_message",
+            )
+        if body.messages[-1].role != "assistant":
+            raise APIError(
+                400,
+                "continue_final_message needs an assistant message last.",
+                param="continue_final_message",
+            )
+    kwargs = body.chat_template_kwargs or {}
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise APIError(
+            400,
+            f"chat_template_kwargs may not set {', '.join(reserved)}; use the request's own "
+            "fields.",
+            param="chat_template_kwargs",
+        )
+    return TemplateOptions(body.add_generation_prompt, body.continue_final_message, kwargs)
 
 
 def _arguments(text: str) -> Any:
@@ -278,13 +317,13 @@ def constraint(
     """The one output constraint a request asks for and the parameter that asks for it (400
     when it asks for two)."""
     found: list[tuple[str, Constraint]] = []
+    fmt = body.response_format
+    if isinstance(fmt, ResponseFormatJsonObject):
+        found.append(("response_format", Constraint("json_object", "{}")))
+    elif isinstance(fmt, ResponseFormatJsonSchema):
+        schema = fmt.json_schema.schema_ or {"type": "object"}
+        found.append(("response_format", Constraint("json_schema", _schema_json(schema))))
     if isinstance(body, ChatCompletionRequest):
-        fmt = body.response_format
-        if isinstance(fmt, ResponseFormatJsonObject):
-            found.append(("response_format", Constraint("json_object", "{}")))
-        elif isinstance(fmt, ResponseFormatJsonSchema):
-            schema = fmt.json_schema.schema_ or {"type": "object"}
-            found.append(("response_format", Constraint("json_schema", _schema_json(schema))))
         if tools is not None and tools.mode == "named" and tools.named is not None:
             schema = _parameters(body, tools.named)
             found.append(("tool_choice", Constraint("json_schema", _schema_json(schema))))
@@ -383,6 +422,30 @@ def _logit_bias(
     return bias
 
 
+def _token_ids(ids: list[int] | None, card: BackendCard, param: str) -> tuple[int, ...]:
+    if any(token < 0 or token >= card.vocab_size for token in ids or ()):
+        raise APIError(400, f"{param} must lie in [0, {card.vocab_size}).", param=param)
+    return tuple(ids or ())
+
+
+def _bad_words(
+    body: ChatCompletionRequest | CompletionRequest, backend: GenerationBackend
+) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids as vLLM finds them: the word as given (leading spaces
+    stripped), and with one leading space where that tokenizes to as many tokens with a
+    different first token (the word inside a sentence)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in body.bad_words or ():
+        bare = backend.tokenize(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise APIError(400, "bad_words must not be empty.", param="bad_words")
+        sequences.append(bare)
+        spaced = backend.tokenize(" " + word.lstrip(), add_special_tokens=False)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            sequences.append(spaced)
+    return tuple(sequences)
+
+
 def _logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
     if isinstance(body, ChatCompletionRequest):
         return (body.top_logprobs or 0) if body.logprobs else None
@@ -471,20 +534,28 @@ def build_job(
     if body.min_tokens is not None and body.min_tokens > max_tokens:
         raise APIError(400, "min_tokens must not exceed max_tokens.", param="min_tokens")
     compiled = compiled_constraint(constraint(body, tools), backend)
+    bad_words = _bad_words(body, backend)
     sampling = [
         SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
+            min_p=body.min_p or 0.0,
             seed=seed + index,
             stop=body.stop_sequences(),
+            stop_token_ids=_token_ids(body.stop_token_ids, card, "stop_token_ids"),
+            ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
             seed_drawn=body.seed is None,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=body.repetition_penalty or 1.0,
             logit_bias=_logit_bias(body, card),
             min_tokens=body.min_tokens or 0,
+            allowed_token_ids=_token_ids(body.allowed_token_ids, card, "allowed_token_ids"),
+            bad_words=bad_words,
             constraint=None if compiled is None else compiled.constraint,
             logprobs=_logprobs(body),
         )
@@ -498,7 +569,13 @@ def build_job(
         speculative=speculative_choice(body.speculative, card),
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        continuous_usage=bool(
+            body.stream_options
+            and body.stream_options.include_usage
+            and body.stream_options.continuous_usage_stats
+        ),
         user=body.user,
+        client_request_id=body.request_id,
         store_content=store_content if body.store_content is None else body.store_content,
         tools=tools,
         compiled=compiled,
@@ -676,6 +753,8 @@ class AuditedGeneration:
                 stream=job.stream,
                 subject_ref=subject_ref,
                 store_content=job.store_content,
+                client_request_id=job.client_request_id,
+                chat_template=job.prompt.template,
             )
             payload["instance_id"] = services.instance_id
             if self.data_key is None:
@@ -787,7 +866,8 @@ class AuditedGeneration:
     async def stream(self, handles: list[Generation]) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, then usage (when asked), then
         ``[DONE]`` once the `completion` event is committed. Choices stream one after another."""
-        chunks = StreamChunks(self.job, self.backend.card)
+        usage_so_far = self.usage if self.job.continuous_usage else None
+        chunks = StreamChunks(self.job, self.backend.card, usage_so_far)
         try:
             for index, handle in enumerate(handles):
                 state = self.choices[index]
@@ -953,11 +1033,19 @@ def system_fingerprint(card: BackendCard) -> str:
 
 
 class StreamChunks:
-    """Chunks in OpenAI's streaming shapes (``chat.completion.chunk``, ``text_completion``)."""
+    """Chunks in OpenAI's streaming shapes (``chat.completion.chunk``, ``text_completion``).
+    With ``usage_so_far`` (vLLM's ``continuous_usage_stats``) every chunk carries the usage
+    up to it; otherwise, where usage is asked for, ``usage: null`` until the last chunk."""
 
-    def __init__(self, job: Job, card: BackendCard) -> None:
+    def __init__(
+        self,
+        job: Job,
+        card: BackendCard,
+        usage_so_far: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
         self.job = job
         self.include_usage = job.include_usage
+        self.usage_so_far = usage_so_far
         self.base: dict[str, Any] = {
             "id": job.response_id,
             "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
@@ -969,7 +1057,9 @@ class StreamChunks:
     def choice(self, index: int, body: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
         choice = {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
         chunk = {**self.base, "choices": [choice]}
-        if self.include_usage:
+        if self.usage_so_far is not None:
+            chunk["usage"] = self.usage_so_far()
+        elif self.include_usage:
             chunk["usage"] = None
         return chunk
 

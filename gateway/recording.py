@@ -146,11 +146,15 @@ def request_payload(
     stream: bool,
     subject_ref: str,
     store_content: bool,
+    client_request_id: str | None = None,
+    chat_template: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `request` event, committed before generation starts (fail closed). ``sampling.seed``
     is the effective seed: the client's, or the one drawn for it (``seed_drawn``); with the
     model versions, the speculative configuration and the completion's schedule it is what
-    ``specgate audit replay`` needs."""
+    ``specgate audit replay`` needs. ``client_request_id`` is vLLM's ``request_id`` as the
+    client sent it; ``chat_template`` the template options a chat prompt was rendered with
+    (the prompt commitment covers the rendered text)."""
     return {
         "request_id": request_id,
         "route": route,
@@ -172,11 +176,18 @@ def request_payload(
             "top_k": sampling.top_k,
             "seed": sampling.seed,
             "seed_drawn": sampling.seed_drawn,
+            "min_p": sampling.min_p,
             "stop": list(sampling.stop),
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "ignore_eos": sampling.ignore_eos,
+            "include_stop_str_in_output": sampling.include_stop_str_in_output,
+            "skip_special_tokens": sampling.skip_special_tokens,
             "n": n,
             **processor_fields(sampling, with_text=store_content),
         },
         "stream": stream,
+        "client_request_id": client_request_id,
+        "chat_template": chat_template,
         "prompt_commitment": prompt_commitment,
         "commitment_key": commitment_key,
         "prompt_tokens": prompt_tokens,
@@ -220,6 +231,8 @@ def processor_fields(sampling: SamplingParams, *, with_text: bool) -> dict[str, 
         "repetition_penalty": sampling.repetition_penalty,
         "logit_bias": {str(token): bias for token, bias in sampling.logit_bias},
         "min_tokens": sampling.min_tokens,
+        "allowed_token_ids": list(sampling.allowed_token_ids),
+        "bad_words": [list(word) for word in sampling.bad_words],
         "logprobs": sampling.logprobs,
         "constraint": None,
     }

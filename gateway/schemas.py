@@ -1,8 +1,11 @@
 """Request and response bodies in OpenAI's shapes, plus Specgate's extensions.
 
-Extensions: ``top_k``, ``speculative`` and vLLM's ``repetition_penalty``, ``min_tokens`` and
+Extensions: ``top_k``, ``speculative`` and vLLM's ``repetition_penalty``, ``min_tokens``,
 structured-output parameters (``structured_outputs``, ``guided_json``, ``guided_regex``,
-``guided_choice``) on requests; ``speculative`` (acceptance figures) on responses.
+``guided_choice``) and its other request fields (``min_p``, ``ignore_eos``,
+``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ``include_stop_str_in_output``,
+``skip_special_tokens``, ``request_id``, chat template options) on requests; ``speculative``
+(acceptance figures) on responses. docs/agent-api.md tables every field.
 Parameters OpenAI defines but Specgate does not implement are accepted only at
 their neutral value (so clients that send defaults keep working) and otherwise refused with
 a 400 naming them; unknown parameters are refused as OpenAI refuses them.
@@ -47,13 +50,30 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
+    # vLLM's fields that Specgate does not implement.
+    "priority": (None, 0),
+    "prompt_logprobs": (None,),
+    "return_token_ids": (None, False),
+    "truncate_prompt_tokens": (None,),
+    "documents": (None,),
 }
 _CHAT_UNSUPPORTED = (
     "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
     "verbosity", "web_search_options", "service_tier", "store", "metadata", "prompt_cache_key",
-    "safety_identifier",
+    "safety_identifier", "documents",
 )  # fmt: skip
 _COMPLETION_UNSUPPORTED = ("best_of", "echo", "suffix")
+_VLLM_UNSUPPORTED = ("priority", "prompt_logprobs", "return_token_ids", "truncate_prompt_tokens")
+# Why a vLLM field is refused, for its 400.
+_WHY_UNSUPPORTED = {
+    "priority": "requests are admitted first come, first served",
+    "prompt_logprobs": "the engine computes no log-probabilities of prompt tokens",
+    "return_token_ids": "responses carry text only",
+    "truncate_prompt_tokens": "a prompt too long is refused, never cut",
+    "documents": "documents are not rendered into the chat template",
+}
+MAX_TOKEN_ID_LIST = 4096  # allowed_token_ids, stop_token_ids
+MAX_BAD_WORDS = 64
 # OpenAI's limits: a tool's name, logit_bias values, top_logprobs (engine.types).
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 MAX_TOOLS = 128
@@ -63,7 +83,8 @@ MAX_LOGIT_BIAS = 300
 def _check_neutral(value: Any, info: ValidationInfo) -> Any:
     name = info.field_name or "parameter"
     if value not in _NEUTRAL[name]:
-        raise ValueError(f"'{name}' is not supported by Specgate; leave it unset")
+        why = f" ({_WHY_UNSUPPORTED[name]})" if name in _WHY_UNSUPPORTED else ""
+        raise ValueError(f"'{name}' is not supported by Specgate{why}; leave it unset")
     return value
 
 
@@ -78,6 +99,9 @@ class SpeculativeRequest(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        default=False, description="vLLM extension: usage so far in every chunk."
+    )
 
 
 class StructuredOutputs(_Strict):
@@ -129,6 +153,31 @@ class _SamplingFields(_Strict):
     )
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     min_tokens: int | None = Field(default=None, ge=0, description="vLLM extension.")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="vLLM extension.")
+    ignore_eos: bool = Field(default=False, description="vLLM extension.")
+    stop_token_ids: list[int] | None = Field(
+        default=None, max_length=MAX_TOKEN_ID_LIST, description="vLLM extension."
+    )
+    allowed_token_ids: list[int] | None = Field(
+        default=None, min_length=1, max_length=MAX_TOKEN_ID_LIST, description="vLLM extension."
+    )
+    bad_words: list[str] | None = Field(
+        default=None, max_length=MAX_BAD_WORDS, description="vLLM extension."
+    )
+    include_stop_str_in_output: bool = Field(default=False, description="vLLM extension.")
+    skip_special_tokens: bool = Field(default=True, description="vLLM extension.")
+    request_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="vLLM extension: recorded in the request's audit event (client_request_id).",
+    )
+    priority: Any = None
+    prompt_logprobs: Any = None
+    return_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+
+    reject_vllm_unsupported = field_validator(*_VLLM_UNSUPPORTED, mode="before")(_check_neutral)
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="vLLM extension: constrain the output."
     )
@@ -314,6 +363,12 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="vLLM extension: extra chat template variables."
+    )
+    add_generation_prompt: bool = Field(default=True, description="vLLM extension.")
+    continue_final_message: bool = Field(default=False, description="vLLM extension.")
+    documents: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -350,6 +405,9 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=16, ge=1)
 
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = Field(
+        default=None, description="vLLM extension on completions."
+    )
     best_of: Any = None
     echo: Any = None
     suffix: Any = None

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from engine.chat import DEFAULT_TEMPLATE, TemplateOptions
 from engine.types import (
     CompiledConstraint,
     Constraint,
@@ -88,13 +89,15 @@ class GenerationBackend(Protocol):
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        options: TemplateOptions = DEFAULT_TEMPLATE,
     ) -> tuple[str, tuple[int, ...]]:
-        """The prompt text for chat messages and tools (generation prompt added) and its
-        token ids."""
+        """The prompt text for chat messages and tools (rendered as ``options`` ask: by
+        default with the generation prompt added) and its token ids."""
         ...
 
-    def tokenize(self, text: str) -> tuple[int, ...]:
-        """Token ids of a plain completion prompt."""
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """Token ids of a plain completion prompt (without special tokens: of a fragment,
+        such as one of ``bad_words``)."""
         ...
 
     def detokenize(self, token_ids: Sequence[int]) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from engine.chat import render_chat
+from engine.chat import DEFAULT_TEMPLATE, TemplateOptions, render_chat
 from engine.config import EngineConfig
 from engine.divergence import first_divergence
 from engine.service import Engine, RequestHandle
@@ -61,12 +61,13 @@ class LocalBackend:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        options: TemplateOptions = DEFAULT_TEMPLATE,
     ) -> tuple[str, tuple[int, ...]]:
-        text = render_chat(self.engine.tokenizer, messages, tools)
+        text = render_chat(self.engine.tokenizer, messages, tools, options)
         return text, tuple(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
-    def tokenize(self, text: str) -> tuple[int, ...]:
-        return tuple(self.engine.tokenizer.encode(text))
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        return tuple(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return str(self.engine.tokenizer.decode(list(token_ids)))

@@ -34,6 +34,7 @@ import structlog
 
 from engine import methods
 from engine.adaptive import FallbackMonitor, PassCosts
+from engine.chat import DEFAULT_TEMPLATE, TemplateOptions
 from engine.delta_channel import DeltaChannel
 from engine.grammar_text import checked_grammar
 from engine.types import (
@@ -390,12 +391,16 @@ class VllmBackend:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        options: TemplateOptions = DEFAULT_TEMPLATE,
     ) -> tuple[str, tuple[int, ...]]:
         body: dict[str, Any] = {
             "model": self._vllm_name,
             "messages": list(messages),
-            "add_generation_prompt": True,
+            "add_generation_prompt": options.add_generation_prompt,
+            "continue_final_message": options.continue_final_message,
         }
+        if options.kwargs:
+            body["chat_template_kwargs"] = dict(options.kwargs)
         if tools:
             body["tools"] = list(tools)
         tokens = tuple(int(t) for t in self._post_sync("/tokenize", body)["tokens"])
@@ -403,18 +408,18 @@ class VllmBackend:
             return self._tokenizer.decode(tokens), tokens
         return self._server_detokenize(tokens), tokens
 
-    def tokenize(self, text: str) -> tuple[int, ...]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         if self._tokenizer is not None:
-            return self._tokenizer.encode(text)
-        return self._server_tokenize(text)
+            return self._tokenizer.encode(text, add_special_tokens)
+        return self._server_tokenize(text, add_special_tokens)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         if self._tokenizer is not None:
             return self._tokenizer.decode(token_ids)
         return self._server_detokenize(token_ids)
 
-    def _server_tokenize(self, text: str) -> tuple[int, ...]:
-        body = {"model": self._vllm_name, "prompt": text, "add_special_tokens": True}
+    def _server_tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        body = {"model": self._vllm_name, "prompt": text, "add_special_tokens": add_special_tokens}
         return tuple(int(t) for t in self._post_sync("/tokenize", body)["tokens"])
 
     def _server_detokenize(self, tokens: Sequence[int]) -> str:

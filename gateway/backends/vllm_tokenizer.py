@@ -54,10 +54,11 @@ class LocalTokenizer:
     def special_ids(self) -> tuple[int, ...]:
         return tuple(int(i) for i in self._tokenizer.all_special_ids)
 
-    def encode(self, text: str) -> tuple[int, ...]:
-        """A completion prompt's ids, special tokens added, as vLLM's ``/tokenize`` gives."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """A completion prompt's ids, special tokens added, as vLLM's ``/tokenize`` gives
+        (``add_special_tokens`` False: a fragment's)."""
         with self._lock:
-            return tuple(self._tokenizer.encode(text, add_special_tokens=True))
+            return tuple(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids``, special tokens kept, as vLLM's ``/detokenize`` gives."""

@@ -19,7 +19,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.types import Constraint, FinishReason, GenerationRequest, TokenLogprob
+from engine.types import (
+    Constraint,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequestError,
+    TokenLogprob,
+)
 
 # vLLM's Prometheus counters of speculative decoding (the ``_total`` suffix is the
 # exposition format's; ``_per_pos`` carries a ``position`` label).
@@ -45,6 +51,8 @@ def completion_body(model: str, request: GenerationRequest) -> dict[str, Any]:
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
         "ignore_eos": sampling.ignore_eos,
+        "include_stop_str_in_output": sampling.include_stop_str_in_output,
+        "skip_special_tokens": sampling.skip_special_tokens,
     }
     if sampling.logprobs is not None:
         body["logprobs"] = sampling.logprobs
@@ -75,6 +83,13 @@ def _processors(request: GenerationRequest) -> dict[str, Any]:
         fields["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias}
     if sampling.min_tokens:
         fields["min_tokens"] = sampling.min_tokens
+    if sampling.min_p:
+        fields["min_p"] = sampling.min_p
+    if sampling.allowed_token_ids:
+        fields["allowed_token_ids"] = list(sampling.allowed_token_ids)
+    if sampling.bad_words:
+        # vLLM takes bad words as text and tokenizes them itself, in more than one way.
+        raise InvalidRequestError("bad_words is not served through a vLLM backend", "bad_words")
     if sampling.constraint is not None:
         fields["structured_outputs"] = structured_outputs(sampling.constraint)
     return fields

@@ -121,8 +121,13 @@ def _sampling(payload: dict[str, Any], index: int) -> SamplingParams:
         temperature=sampling["temperature"],
         top_p=sampling["top_p"],
         top_k=sampling["top_k"],
+        min_p=sampling.get("min_p", 0.0),
         seed=sampling["seed"] + index,
         stop=tuple(sampling["stop"]),
+        stop_token_ids=tuple(sampling.get("stop_token_ids", ())),
+        ignore_eos=sampling.get("ignore_eos", False),
+        include_stop_str_in_output=sampling.get("include_stop_str_in_output", False),
+        skip_special_tokens=sampling.get("skip_special_tokens", True),
         seed_drawn=sampling.get("seed_drawn", False),
         presence_penalty=sampling.get("presence_penalty", 0.0),
         frequency_penalty=sampling.get("frequency_penalty", 0.0),
@@ -131,6 +136,8 @@ def _sampling(payload: dict[str, Any], index: int) -> SamplingParams:
             (int(token), bias) for token, bias in sampling.get("logit_bias", {}).items()
         ),
         min_tokens=sampling.get("min_tokens", 0),
+        allowed_token_ids=tuple(sampling.get("allowed_token_ids", ())),
+        bad_words=tuple(tuple(word) for word in sampling.get("bad_words", ())),
         constraint=constraint,
         logprobs=sampling.get("logprobs"),
     )
