@@ -1,9 +1,9 @@
 """vLLM's ``/tokenize`` and ``/detokenize``: shapes, and the token counts generation sees.
 
 A prompt is tokenized exactly as ``/v1/completions`` tokenizes it, and chat messages are
-rendered with the same chat template (tools included) as ``/v1/chat/completions`` renders
-them, through the same functions, so a count here is the ``prompt_tokens`` a generation of
-the same input reports.
+rendered with the same chat template (tools and template options included) as
+``/v1/chat/completions`` renders them, through the same functions, so a count here is the
+``prompt_tokens`` a generation of the same input reports.
 
 No audit event: nothing is generated, and nothing is kept. The audit log records
 generations (keyed commitments to their prompts and outputs, never the text); tokenizing is
@@ -13,7 +13,7 @@ already records.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,10 +39,9 @@ class TokenizeChatRequest(_Strict):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
-    add_generation_prompt: Literal[True] = Field(
-        default=True,
-        description="Only true: the chat template is rendered as for generation.",
-    )
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ``{"model", "prompt"}`` or ``{"model", "messages"}``, as vLLM takes them.
@@ -75,7 +74,14 @@ def tokenize(
         completion = CompletionRequest(model=body.model, prompt=body.prompt)
         prompt = completion_prompt(completion, backend, max_prompt_bytes)
     else:
-        chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools)
+        chat = ChatCompletionRequest(
+            model=body.model,
+            messages=body.messages,
+            tools=body.tools,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
         prompt = chat_prompt(chat, backend, max_prompt_bytes)
     tokens = list(prompt.token_ids)
     return TokenizeResponse(

@@ -69,6 +69,27 @@ def test_messages_count_as_a_chat_completion_sees_them(
     assert tokenized.json()["count"] == chat.json()["usage"]["prompt_tokens"]
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"add_generation_prompt": False},
+        {"add_generation_prompt": False, "continue_final_message": True},
+    ],
+)
+def test_template_options_count_as_a_chat_completion_with_them_sees(
+    gateway: LiveGateway, options: dict[str, Any]
+) -> None:
+    messages = [*MESSAGES, {"role": "assistant", "content": "It is"}]
+    request = {"model": MODEL, "messages": messages, **options}
+    tokenized = post(gateway, "/tokenize", request)
+    assert tokenized.status_code == 200, tokenized.text
+    chat = post(gateway, "/v1/chat/completions", {**request, "max_tokens": 1})
+    assert chat.status_code == 200, chat.text
+    assert tokenized.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+    default = post(gateway, "/tokenize", {"model": MODEL, "messages": messages})
+    assert default.json()["tokens"] != tokenized.json()["tokens"]
+
+
 def test_tokenizing_leaves_no_audit_event(gateway: LiveGateway) -> None:
     before = len(events(gateway, "request"))
     assert post(gateway, "/tokenize", {"model": MODEL, "prompt": "hello"}).status_code == 200
@@ -90,7 +111,8 @@ def test_only_app_keys_tokenize(gateway: LiveGateway) -> None:
         ("/detokenize", {"model": "other", "tokens": [1]}, 404),
         ("/detokenize", {"model": MODEL, "tokens": [10**9]}, 400),
         ("/detokenize", {"model": MODEL, "tokens": [-1]}, 400),
-        ("/tokenize", {"model": MODEL, "messages": MESSAGES, "add_generation_prompt": False}, 400),
+        ("/tokenize", {"model": MODEL, "prompt": "hi", "add_special_tokens": False}, 400),
+        ("/tokenize", {"model": MODEL, "messages": MESSAGES, "continue_final_message": True}, 400),
         ("/tokenize", {"model": MODEL, "prompt": "hi", "messages": MESSAGES}, 400),
     ],
 )
