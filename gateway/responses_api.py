@@ -273,19 +273,18 @@ class ResponseEvents:
         ]
 
     def _open_message(self) -> list[str]:
+        """Added as OpenAI adds it: the item with no content, then its one text part."""
         self.message = len(self.output)
         item = message_item("", status="in_progress")
-        part = item["content"][0]
-        item["content"] = []
         self.output.append(item)
         place = {"output_index": self.message}
         return [
-            self._event("response.output_item.added", item=item, **place),
+            self._event("response.output_item.added", item={**item, "content": []}, **place),
             self._event(
                 "response.content_part.added",
                 item_id=item["id"],
                 content_index=0,
-                part=part,
+                part=item["content"][0],
                 **place,
             ),
         ]
@@ -294,8 +293,6 @@ class ResponseEvents:
         events = [] if self.message is not None else self._open_message()
         assert self.message is not None
         item = self.output[self.message]
-        if not item["content"]:
-            item["content"].append(message_item("")["content"][0])
         item["content"][0]["text"] += delta
         events.append(
             self._event(
@@ -386,11 +383,7 @@ class ResponseEvents:
         return events
 
     def _finished(self, usage: dict[str, int], speculative: dict[str, Any]) -> list[str]:
-        if not self.output:
-            events = self._open_message()
-            self.output[0]["content"].append(message_item("")["content"][0])
-        else:
-            events = []
+        events = [] if self.output else self._open_message()  # an empty output: one text
         events += self._close_message() + self._close_calls()
         status, incomplete = _status(self.finish_reason)
         response = self._response(
