@@ -38,6 +38,7 @@ class LogitsProcessing:
         end_ids: frozenset[int],
         device: torch.device,
         grammar: GrammarMatcher | None = None,
+        eos_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.params = params
         self.vocab_size = vocab_size
@@ -70,6 +71,14 @@ class LogitsProcessing:
             dtype=torch.long,
             device=device,
         )
+        # What a row that the masks leave empty may still generate: its end tokens, and the
+        # model's end-of-sequence tokens even under ignore_eos (which only keeps them from
+        # ending the output).
+        self._last_resort = torch.tensor(
+            sorted(t for t in end_ids | eos_ids | set(params.stop_token_ids) if t < vocab_size),
+            dtype=torch.long,
+            device=device,
+        )
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Verification committed ``tokens`` after the output so far."""
@@ -87,11 +96,14 @@ class LogitsProcessing:
         vocab = min(out.shape[-1], self.vocab_size)
         if self.grammar is not None:
             self.grammar.mask(out, paths)
-        if self._banned is not None:
-            out[:, :vocab].masked_fill_(self._banned[:vocab], float("-inf"))
-            out[:, self.vocab_size :] = float("-inf")
-        if self.params.bad_words:
-            self._ban_words(out, paths)
+        if self._banned is not None or self.params.bad_words:
+            unmasked = out.clone()
+            if self._banned is not None:
+                out[:, :vocab].masked_fill_(self._banned[:vocab], float("-inf"))
+                out[:, self.vocab_size :] = float("-inf")
+            if self.params.bad_words:
+                self._ban_words(out, paths)
+            self._end_where_nothing_is_left(out, unmasked)
         if self.params.min_tokens > 0:
             self._forbid_ending(out, paths)
         if self._bias is not None:
@@ -109,6 +121,20 @@ class LogitsProcessing:
                 *head, last = word
                 if last < out.shape[-1] and (not head or context[-len(head) :] == head):
                     out[row, last] = float("-inf")
+
+    def _end_where_nothing_is_left(self, out: torch.Tensor, unmasked: torch.Tensor) -> None:
+        """A row where ``allowed_token_ids``, ``bad_words`` and the grammar leave no token
+        gets its end-of-sequence and stop tokens let through, equally likely, so the output
+        ends there (unless ``ignore_eos``); a model with none of them keeps the row as the
+        two masks found it. Either is a rule of the row's own context, so target and
+        proposer apply it alike, and no row is ever left without a token to draw."""
+        for row in range(out.shape[0]):
+            if torch.isfinite(out[row].amax()):
+                continue
+            if len(self._last_resort) > 0:
+                out[row].index_fill_(0, self._last_resort, 0.0)
+            else:
+                out[row].copy_(unmasked[row])
 
     def _forbid_ending(self, out: torch.Tensor, paths: Sequence[Sequence[int]]) -> None:
         """No end-of-sequence or stop token before ``min_tokens`` output tokens; where the

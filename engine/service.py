@@ -577,6 +577,7 @@ class Engine:
             frozenset() if params.ignore_eos else self._eos,
             self.device,
             None if handle.grammar is None else self.grammars.matcher(handle.grammar),
+            eos_ids=self._eos,
         )
 
     def _recorder(self, params: SamplingParams) -> LogprobRecorder | None:

@@ -115,6 +115,11 @@ def test_allowed_token_ids_and_bad_words_shape_the_output(gateway: LiveGateway) 
     sampling = last_request(gateway)["sampling"]
     assert sampling["allowed_token_ids"] == [x, y]
     assert sampling["bad_words"] == [[x], [token(gateway, " x")]]  # inside a sentence too
+    # Nothing left to draw: the output ends (or, with ignore_eos, runs on end-of-sequence).
+    nothing = complete(gateway, allowed_token_ids=[x], bad_words=["x"], max_tokens=3)
+    assert nothing["choices"][0] == {**nothing["choices"][0], "text": "", "finish_reason": "stop"}
+    ignoring = complete(gateway, allowed_token_ids=[x], bad_words=["x"], ignore_eos=True)
+    assert ignoring["choices"][0]["finish_reason"] == "length"
 
 
 def test_ignore_eos_and_stop_token_ids_decide_where_output_ends(gateway: LiveGateway) -> None:

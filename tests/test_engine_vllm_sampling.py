@@ -163,6 +163,21 @@ def test_allowed_token_ids_mask_every_other_token_and_padding() -> None:
     assert torch.isfinite(out[0]).tolist() == [False, True, False, True, False, False]
 
 
+def test_a_row_with_nothing_left_draws_an_end_token() -> None:
+    """Never a row of -inf (NaN probabilities, or token 0 by argmax): the end tokens, the
+    model's end-of-sequence even under ignore_eos, else the row as it was before the masks."""
+    params = SamplingParams(allowed_token_ids=(1,), bad_words=((1,),))
+    cpu = torch.device("cpu")
+    ending = LogitsProcessing(params, [0], 4, frozenset({3}), cpu).apply(torch.zeros(1, 4), [[]])
+    assert torch.isfinite(ending[0]).tolist() == [False, False, False, True]
+    ignoring = LogitsProcessing(params, [0], 4, frozenset(), cpu, eos_ids=frozenset({2}))
+    assert torch.isfinite(ignoring.apply(torch.zeros(1, 4), [[]])[0]).tolist() == [
+        False, False, True, False,
+    ]  # fmt: skip
+    bare = LogitsProcessing(params, [0], 4, frozenset(), cpu).apply(torch.zeros(1, 4), [[]])
+    assert torch.isfinite(bare).all()
+
+
 def test_stop_strings_and_stop_tokens_are_kept_on_request(engine: Engine) -> None:
     tokenizer = engine.tokenizer
     prompt = tokenizer.encode("x")
