@@ -34,6 +34,23 @@ def pg_admin(statement: sql.Composed) -> None:
 
 
 @contextmanager
+def writer_login(database: str) -> Iterator[str]:
+    """A login role in the gateway's writer role (``specgate_writer``: it may append, not
+    change history); yields its URL for ``database``. The role is dropped afterwards."""
+    name = f"sgw_{uuid.uuid4().hex[:10]}"
+    pg_admin(sql.SQL("CREATE ROLE {} LOGIN IN ROLE specgate_writer").format(sql.Identifier(name)))
+    try:
+        yield f"postgresql://{name}@127.0.0.1:5432/{database}"
+    finally:
+        pg_admin(
+            sql.SQL(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = {}"
+            ).format(sql.Literal(name))
+        )
+        pg_admin(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+
+
+@contextmanager
 def fresh_database() -> Iterator[tuple[str, str]]:
     """(name, URL) of a new empty database, dropped afterwards; the gateway migrates it."""
     name = f"specgate_api_{uuid.uuid4().hex[:12]}"

@@ -6,41 +6,21 @@ only with an `alarm_cleared` event that names the evidence."""
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import sqlalchemy as sa
-from psycopg import sql
 from typer.testing import CliRunner
 
 from gateway.audit.schema import audit_events
 from gateway.db import make_db_engine, upgrade_database
-from tests.api_harness import fresh_database, gateway_settings, live_gateway, pg_admin
+from tests.api_harness import fresh_database, gateway_settings, live_gateway, writer_login
 from tests.audit_helpers import admin_cli
 from tests.test_audit_tamper import rewrite
 from tests.tiny_models import build_pair
 
 CHAT = {"model": "target", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 DETECTION_BOUND_S = 15.0  # docs/compliance.md
-
-
-@contextmanager
-def writer_login(database: str) -> Iterator[str]:
-    """A login role in the gateway's writer role; yields its URL for ``database``."""
-    name = f"sgw_{uuid.uuid4().hex[:10]}"
-    pg_admin(sql.SQL("CREATE ROLE {} LOGIN IN ROLE specgate_writer").format(sql.Identifier(name)))
-    try:
-        yield f"postgresql://{name}@127.0.0.1:5432/{database}"
-    finally:
-        pg_admin(
-            sql.SQL(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = {}"
-            ).format(sql.Literal(name))
-        )
-        pg_admin(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
 
 
 def chat(base_url: str, key: str) -> httpx.Response:

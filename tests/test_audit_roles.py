@@ -22,6 +22,7 @@ from gateway.db import make_db_engine
 from gateway.keys import KeyStore
 from gateway.privacy.kek import KeyEncryptionKey
 from gateway.privacy.store import PrivacyStore
+from tests.api_harness import writer_login
 
 OLD_ADVISORY_LOCK_KEY = int.from_bytes(b"sgaudit!", "big")  # what revision 0001 used
 MAC = EventMac(b"r" * 32)
@@ -35,21 +36,8 @@ def _server(pg_url: str) -> str:
 @pytest.fixture
 def login_role(pg_url: str) -> Iterator[str]:
     """A login role for a gateway, member of the writer role; yields its database URL."""
-    name = f"sgw_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(f"{_server(pg_url)}/test", autocommit=True) as admin:
-        admin.execute(
-            sql.SQL("CREATE ROLE {} LOGIN IN ROLE specgate_writer").format(sql.Identifier(name))
-        )
-    database = pg_url.rsplit("/", 1)[1]
-    try:
-        yield f"postgresql://{name}@127.0.0.1:5432/{database}"
-    finally:
-        with psycopg.connect(f"{_server(pg_url)}/test", autocommit=True) as admin:
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
-                (name,),
-            )
-            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+    with writer_login(pg_url.rsplit("/", 1)[1]) as url:
+        yield url
 
 
 @pytest.fixture

@@ -20,11 +20,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
 import sqlalchemy as sa
 from fastapi import FastAPI
-from psycopg import sql
 
 from gateway.audit.log import AuditLog, TamperDetectedError
 from gateway.audit.mac import EventMac
@@ -38,6 +36,7 @@ from gateway.keys import KeyStore, KeyStoreError, hash_key
 from gateway.offload import Offload
 from gateway.routes import admin as admin_routes
 from gateway.routes import audit as audit_routes
+from tests.api_harness import writer_login
 from tests.audit_helpers import serve
 from tests.test_audit_tamper import rewrite
 
@@ -68,21 +67,8 @@ class Gateway:
 @pytest.fixture
 def writer_url(pg_url: str) -> Iterator[str]:
     """A login role in the writer role (what the gateway runs as); yields its database URL."""
-    server, database = pg_url.rsplit("/", 1)
-    name = f"sgk_{hashlib.sha256(database.encode()).hexdigest()[:10]}"
-    with psycopg.connect(f"{server}/test", autocommit=True) as admin:
-        admin.execute(
-            sql.SQL("CREATE ROLE {} LOGIN IN ROLE specgate_writer").format(sql.Identifier(name))
-        )
-    try:
-        yield f"postgresql://{name}@127.0.0.1:5432/{database}"
-    finally:
-        with psycopg.connect(f"{server}/test", autocommit=True) as admin:
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
-                (name,),
-            )
-            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+    with writer_login(pg_url.rsplit("/", 1)[1]) as url:
+        yield url
 
 
 def _app(audit: AuditLog, keys: KeyStore, cache: KeyCache) -> FastAPI:
