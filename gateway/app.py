@@ -50,6 +50,7 @@ from gateway.observability.audit import ObservedAuditLog
 from gateway.observability.telemetry import Telemetry
 from gateway.offload import Offload
 from gateway.privacy.kek import KeyEncryptionKey
+from gateway.privacy.processing_record import record_at_startup
 from gateway.privacy.store import PrivacyStore
 from gateway.recording import (
     append_durably,
@@ -164,6 +165,7 @@ def start_services(
     instance = instance_id(settings.data_dir, settings.instance_id)
     spool = EventSpool(settings.data_dir, audit_log, db, settings.spool_retry_s)
     spool.drain()
+    record_at_startup(settings.processing_record_path, audit_log, db, SYSTEM_ACTOR)
     backend = load_backend(settings, telemetry.fallback_listener(fallback_recorder(spool)))
     telemetry.watch_backend(backend)
     if isinstance(backend, ReplicatedBackend):

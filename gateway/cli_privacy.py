@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -16,8 +16,12 @@ from gateway.audit.canonical import format_timestamp
 from gateway.cli_admin import DatabaseUrl, _cli_actor, _resolve_url, audit_app
 
 if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+    from gateway.privacy.report import ReportData
     from gateway.privacy.scrub import ScrubReport
     from gateway.privacy.store import PrivacyStore
+    from gateway.settings import Settings
 
 privacy_app = typer.Typer(no_args_is_help=True)
 kek_app = typer.Typer(no_args_is_help=True)
@@ -244,49 +248,95 @@ def audit_replay(
 
 compliance_app = typer.Typer(no_args_is_help=True)
 
+RecordFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--processing-record",
+        help="The operator's record of processing (YAML; default: processing_record_path).",
+    ),
+]
+
+
+@compliance_app.command("record")
+def compliance_record(file: RecordFile = None, database_url: DatabaseUrl = None) -> None:
+    """Record the declared record of processing in the audit log (a `processing_record`
+    event with its hash and content), unless the newest such event has the same content."""
+    from gateway.db import make_db_engine
+    from gateway.settings import load_settings
+
+    settings = load_settings()
+    path = file or settings.processing_record_path
+    if path is None:
+        typer.echo(
+            "error: name the file with --processing-record or processing_record_path", err=True
+        )
+        raise typer.Exit(2)
+    db = make_db_engine(_resolve_url(database_url))
+    try:
+        _record_declared(db, settings.audit_mac_key_path, path)
+    finally:
+        db.dispose()
+
+
+def _record_declared(db: sa.Engine, mac_key_path: Path, path: Path) -> None:
+    """Append the file's record if it changed; says which version is in force."""
+    from gateway.audit.log import AuditLog, AuditUnavailableError
+    from gateway.audit.mac import EventMac, MacKeyError
+    from gateway.privacy.processing_record import ProcessingRecordError, record_declared
+
+    try:
+        audit = AuditLog(db, mac=EventMac.from_file(mac_key_path))
+        version, appended = record_declared(audit, db, path, _cli_actor())
+    except ProcessingRecordError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
+    except (MacKeyError, AuditUnavailableError) as error:
+        typer.echo(f"error: the record cannot be appended: {error}", err=True)
+        raise typer.Exit(1) from None
+    state = "recorded as" if appended else "unchanged since"
+    typer.echo(f"processing record {state} event {version.seq} ({version.sha256})", err=True)
+
 
 @compliance_app.command("report")
 def compliance_report(
     since: Annotated[datetime, typer.Option(help="Start of the period (UTC unless stated).")],
     until: Annotated[datetime, typer.Option(help="End of the period (exclusive).")],
     out: Annotated[Path | None, typer.Option(help="Write the HTML here (default: stdout).")] = None,
+    processing_record: RecordFile = None,
+    cosignature_max_age_h: Annotated[
+        float | None,
+        typer.Option(
+            "--cosignature-max-age-hours",
+            min=0,
+            help="Warn when the newest witness cosignature is older at the period's end "
+            "(default: witness_max_age_s, else 24).",
+        ),
+    ] = None,
     database_url: DatabaseUrl = None,
 ) -> None:
-    """An HTML report for the records of processing (revDSG Art. 12): requests, acceptance
-    and fallbacks over time, model versions, keys and roles, erasures, retention, legal
-    holds, and the chain and checkpoint verification (run now, with the gateway's keys)."""
-    from gateway.audit.log import AuditLog, AuditUnavailableError
-    from gateway.audit.mac import EventMac, MacKeyError
-    from gateway.audit.signing import CheckpointSigner
+    """The record of processing activities (revDSG Art. 12, GDPR Art. 30) as one HTML page:
+    the declared record (recorded first if the file changed), then the evidence of the
+    period from the audit log, with the chain verification (run now, with the gateway's
+    keys)."""
     from gateway.db import make_db_engine
-    from gateway.privacy.report import collect, render_html
+    from gateway.privacy.report import COSIGNATURE_MAX_AGE, collect
+    from gateway.privacy.report_html import render_html
     from gateway.settings import load_settings
 
     settings = load_settings()
+    record_path = processing_record or settings.processing_record_path
+    if cosignature_max_age_h is not None:
+        max_age = timedelta(hours=cosignature_max_age_h)
+    elif settings.witness_max_age_s is not None:
+        max_age = timedelta(seconds=settings.witness_max_age_s)
+    else:
+        max_age = COSIGNATURE_MAX_AGE
     db = make_db_engine(_resolve_url(database_url))
     try:
-        data = collect(db, since, until)
-        if not settings.signing_key_path.is_file():
-            data.verification_note = f"the signing key {settings.signing_key_path} is not here"
-        else:
-            try:
-                signer = CheckpointSigner.load_or_create(
-                    settings.signing_key_path, settings.audit_origin
-                )
-                mac = EventMac.from_file(settings.audit_mac_key_path)
-                audit = AuditLog(db, signer, mac=mac, state_path=settings.audit_state_path)
-                data.verification = audit.verify(data.since, data.until)
-                audit.append(
-                    "compliance_report",
-                    _cli_actor(),
-                    {
-                        "since": format_timestamp(data.since),
-                        "until": format_timestamp(data.until),
-                        "verified": data.verification.ok,
-                    },
-                )
-            except (MacKeyError, AuditUnavailableError) as error:
-                data.verification_note = str(error)
+        if record_path is not None:
+            _record_declared(db, settings.audit_mac_key_path, record_path)
+        data = collect(db, since, until, max_age)
+        _verify(db, data, settings)
         page = render_html(data)
     finally:
         db.dispose()
@@ -295,3 +345,30 @@ def compliance_report(
     else:
         out.write_text(page, "utf-8")
         typer.echo(f"wrote {out} ({data.total_requests} requests)", err=True)
+
+
+def _verify(db: sa.Engine, data: ReportData, settings: Settings) -> None:
+    """Verify the period with the gateway's keys, and record that the report was made."""
+    from gateway.audit.log import AuditLog, AuditUnavailableError
+    from gateway.audit.mac import EventMac, MacKeyError
+    from gateway.audit.signing import CheckpointSigner
+
+    if not settings.signing_key_path.is_file():
+        data.verification_note = f"the signing key {settings.signing_key_path} is not here"
+        return
+    try:
+        signer = CheckpointSigner.load_or_create(settings.signing_key_path, settings.audit_origin)
+        mac = EventMac.from_file(settings.audit_mac_key_path)
+        audit = AuditLog(db, signer, mac=mac, state_path=settings.audit_state_path)
+        data.verification = audit.verify(data.since, data.until)
+        audit.append(
+            "compliance_report",
+            _cli_actor(),
+            {
+                "since": format_timestamp(data.since),
+                "until": format_timestamp(data.until),
+                "verified": data.verification.ok,
+            },
+        )
+    except (MacKeyError, AuditUnavailableError) as error:
+        data.verification_note = str(error)

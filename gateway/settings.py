@@ -276,6 +276,11 @@ class Settings(BaseSettings):
         ge=1,
         description="Stored content is shredded this many days after its key was made.",
     )
+    processing_record_path: Path | None = Field(
+        default=None,
+        description="The operator's record of processing activities (YAML, docs/compliance.md);"
+        " each new version is recorded in the audit log at startup.",
+    )
     retention_interval_s: float = Field(
         default=3600.0, gt=0, description="How often expired content keys are destroyed."
     )

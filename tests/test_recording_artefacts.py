@@ -8,7 +8,8 @@ from typing import Any
 
 from gateway.backends.base import BackendCard
 from gateway.privacy.replay import configuration_differences
-from gateway.privacy.report import ReportData, _count, render_html
+from gateway.privacy.report import ReportData, _count
+from gateway.privacy.report_html import render_html
 from gateway.recording import models_in_use, recorded_artefacts
 
 DRAFT = {"kind": "draft_model", "name": "demo-draft", "version": "sha256:" + "d" * 64}
