@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from datetime import UTC, datetime
@@ -154,7 +155,7 @@ def request_payload(
     model versions, the speculative configuration and the completion's schedule it is what
     ``specgate audit replay`` needs. ``client_request_id`` is vLLM's ``request_id`` as the
     client sent it; ``chat_template`` the template options a chat prompt was rendered with
-    (the prompt commitment covers the rendered text)."""
+    (``template_record``; the prompt commitment covers the rendered text)."""
     return {
         "request_id": request_id,
         "route": route,
@@ -187,7 +188,7 @@ def request_payload(
         },
         "stream": stream,
         "client_request_id": client_request_id,
-        "chat_template": chat_template,
+        "chat_template": template_record(chat_template, with_text=store_content),
         "prompt_commitment": prompt_commitment,
         "commitment_key": commitment_key,
         "prompt_tokens": prompt_tokens,
@@ -243,6 +244,23 @@ def processor_fields(sampling: SamplingParams, *, with_text: bool) -> dict[str, 
         if with_text:
             fields["constraint"]["spec"] = constraint.spec
     return fields
+
+
+def template_record(options: dict[str, Any] | None, *, with_text: bool) -> dict[str, Any] | None:
+    """A chat prompt's template options. ``chat_template_kwargs`` are recorded by their names
+    and the SHA-256 of their canonical JSON, their values only with content storage on: a
+    template variable can carry as much of the request as its messages do."""
+    if options is None:
+        return None
+    kwargs = options["chat_template_kwargs"]
+    canonical = json.dumps(kwargs, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    recorded: dict[str, Any] = {
+        "names": sorted(kwargs),
+        "sha256": hashlib.sha256(canonical.encode("utf-8")).hexdigest(),
+    }
+    if with_text:
+        recorded["values"] = kwargs
+    return {**options, "chat_template_kwargs": recorded}
 
 
 def combined_stats(all_stats: Sequence[GenerationStats]) -> GenerationStats | None:
