@@ -6,7 +6,7 @@ structured-output parameters (``structured_outputs``, ``guided_json``, ``guided_
 ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``request_id``, chat template options) on requests; ``speculative``
 (acceptance figures) on responses. docs/agent-api.md tables every field.
-Parameters OpenAI defines but Specgate does not implement are accepted only at
+Parameters OpenAI (or vLLM) defines but Specgate does not implement are accepted only at
 their neutral value (so clients that send defaults keep working) and otherwise refused with
 a 400 naming them; unknown parameters are refused as OpenAI refuses them.
 """
