@@ -22,7 +22,7 @@ from gateway.backends.local import LocalBackend
 from gateway.dependencies import Services
 from gateway.server import GracefulServer, uvicorn_config
 from gateway.settings import Settings
-from tests.tiny_models import build_pair
+from tests.tiny_models import build_model, build_noisy_copy, build_pair, build_tokenizer
 
 PG_SERVER = "postgresql://postgres@127.0.0.1:5432"
 
@@ -143,3 +143,18 @@ def tiny_pair_gateway(root: Path) -> Iterator[LiveGateway]:
         live_gateway(gateway_settings(models, root / "data", url), name) as live,
     ):
         yield live
+
+
+@contextmanager
+def tools_pair_gateway(root: Path) -> Iterator[LiveGateway]:
+    """A tiny pair with room for tools (built under ``root``), speculating on every request:
+    the context is longer than ``build_pair``'s, since the tools' system prompt alone is ~600
+    tiny tokens, and no fallback to plain decoding."""
+    target = build_model(root / "target", build_tokenizer(), seed=0, max_positions=2048)
+    draft = build_noisy_copy(target, root / "close", noise=0.3)
+    with fresh_database() as (name, url):
+        settings = gateway_settings(
+            (target, draft), root / "data", url, acceptance_threshold=0.0, fallback_min_speedup=0.0
+        )
+        with live_gateway(settings, name) as live:
+            yield live
