@@ -187,6 +187,8 @@ async def _handle_validation(request: Request, exc: Exception) -> JSONResponse:
         key=lambda item: len(item.get("loc", ())),
     )
     loc = first.get("loc", ())
+    if first.get("type") == "union_tag_invalid":  # name the tag field itself (`...type`)
+        loc = (*loc, str(first.get("ctx", {}).get("discriminator", "")).strip("'"))
     param = None if first.get("type") == "json_invalid" else param_from_loc(loc)
     return error_response(APIError(400, _validation_message(first, param), param=param))
 

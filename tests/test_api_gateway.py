@@ -406,7 +406,7 @@ BAD_CHAT: list[tuple[dict[str, Any], str, str | None]] = [
     ({"logit_bias": {"five": 1}}, "logit_bias", None),
     ({"logit_bias": {"99999999": 1}}, "logit_bias", None),
     ({"min_tokens": -1}, "min_tokens", None),
-    ({"response_format": {"type": "xml"}}, "response_format", None),
+    ({"response_format": {"type": "xml"}}, "response_format.type", None),
     ({"guided_regex": "(("}, "guided_regex", None),
     ({"guided_json": {"type": "no-such-type"}}, "guided_json", None),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", None),
