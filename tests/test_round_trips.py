@@ -65,8 +65,10 @@ def test_an_append_is_one_locking_read_and_its_writes(
     pg: sa.Engine, tmp_path: Path, commands: list[bytes]
 ) -> None:
     """A log that does not know the head (its first append, or another writer moved it):
-    BEGIN, the head row locked (its lock timeout set in the same statement), the event, the
-    Merkle nodes it completes, the new head, COMMIT. Nothing else reaches the server."""
+    BEGIN, the head row locked (its lock timeout set in the same statement), one read of the
+    stored tree at the size this log wrote last (the head must still extend it: the perfect
+    subtrees of that size, a leaf's event or an interior node), the event, the Merkle nodes
+    it completes, the new head, COMMIT. Nothing else reaches the server."""
     log = AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem"), lock_timeout_s=0.5)
     other = AuditLog(pg, CheckpointSigner.load_or_create(tmp_path / "s.pem"))
     log.append("request", "key_a", {"i": 0})
@@ -78,10 +80,12 @@ def test_an_append_is_one_locking_read_and_its_writes(
     assert [" ".join(s.split()[:3]) for s in statements] == [
         "WITH moved AS",  # tried at the head `log` knew: nothing written
         "SELECT audit_head.id, audit_head.tree_size,",
+        "SELECT audit_events.seq, audit_events.event_id,",  # the tree at size 1: its leaf
         "INSERT INTO audit_events",
         "UPDATE audit_head SET",
         "WITH moved AS",
         "SELECT audit_head.id, audit_head.tree_size,",
+        "SELECT audit_merkle_nodes.level, audit_merkle_nodes.idx,",  # size 2: one node
         "INSERT INTO audit_events",
         "INSERT INTO audit_merkle_nodes",
         "UPDATE audit_head SET",
