@@ -202,7 +202,9 @@ def test_a_streamed_function_call(client: openai.OpenAI) -> None:
 
 def test_a_stream_cut_short_ends_incomplete(client: openai.OpenAI) -> None:
     events = list(
-        client.responses.create(model=MODEL, input="Hi", max_output_tokens=3, stream=True)
+        client.responses.create(
+            model=MODEL, input="Hi", max_output_tokens=3, temperature=0, stream=True
+        )
     )
     final = events[-1]
     assert final.type == "response.incomplete"
