@@ -244,6 +244,13 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _handle_validation)
     app.add_exception_handler(StarletteHTTPException, _handle_http)
     app.add_exception_handler(AuditUnavailableError, _handle_audit_unavailable)
-    for engine_error in (InvalidRequestError, QueueFullError, EngineClosedError):
+    # Each answered here, inside the telemetry middleware, so that metrics and the request
+    # log see the status sent; the catch-all below runs outside it and sees an exception.
+    for engine_error in (
+        InvalidRequestError,
+        QueueFullError,
+        EngineClosedError,
+        BackendUnavailableError,
+    ):
         app.add_exception_handler(engine_error, _handle_engine)
     app.add_exception_handler(Exception, _handle_unexpected)
