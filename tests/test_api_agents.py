@@ -29,7 +29,13 @@ from gateway.audit.schema import audit_events
 from gateway.backends import local as local_backend
 from gateway.generation import constraint
 from gateway.schemas import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
-from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
+from tests.api_harness import (
+    LiveGateway,
+    fresh_database,
+    gateway_settings,
+    live_gateway,
+    tools_pair_gateway,
+)
 from tests.test_api_gateway import events
 from tests.tiny_models import build_model, build_noisy_copy, build_tokenizer
 
@@ -59,16 +65,8 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
-    root = tmp_path_factory.mktemp("agents")
-    # A longer context than build_pair's: the tools' system prompt alone is ~600 tiny tokens.
-    target = build_model(root / "target", build_tokenizer(), seed=0, max_positions=2048)
-    draft = build_noisy_copy(target, root / "close", noise=0.3)
-    with fresh_database() as (name, url):
-        settings = gateway_settings(
-            (target, draft), root / "data", url, acceptance_threshold=0.0, fallback_min_speedup=0.0
-        )
-        with live_gateway(settings, name) as live:
-            yield live
+    with tools_pair_gateway(tmp_path_factory.mktemp("agents")) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,9 @@ from engine.types import SamplingParams, SpeculativeChoice
 from gateway.generation import Job, Prompt
 from gateway.responses_api import ResponseEvents
 from gateway.responses_schemas import ResponseRequest
-from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
+from tests.api_harness import LiveGateway, tools_pair_gateway
 from tests.test_api_agents import WEATHER, Person
 from tests.test_api_gateway import completion_for, event_by_id
-from tests.tiny_models import build_model, build_noisy_copy, build_tokenizer
 
 MODEL = "target"
 TOOL: Any = {"type": "function", **cast(dict[str, Any], WEATHER["function"])}
@@ -35,16 +34,8 @@ FORCED: Any = {"type": "function", "name": "get_weather"}
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
-    root = tmp_path_factory.mktemp("responses")
-    # A context long enough for the tools' system prompt (~600 tiny tokens).
-    target = build_model(root / "target", build_tokenizer(), seed=0, max_positions=2048)
-    draft = build_noisy_copy(target, root / "close", noise=0.3)
-    with fresh_database() as (name, url):
-        settings = gateway_settings(
-            (target, draft), root / "data", url, acceptance_threshold=0.0, fallback_min_speedup=0.0
-        )
-        with live_gateway(settings, name) as live:
-            yield live
+    with tools_pair_gateway(tmp_path_factory.mktemp("responses")) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")
