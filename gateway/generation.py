@@ -315,9 +315,14 @@ def constraint(
     body: ChatCompletionRequest | CompletionRequest, tools: ToolPlan | None
 ) -> tuple[str, Constraint] | None:
     """The one output constraint a request asks for and the parameter that asks for it (400
-    when it asks for two)."""
+    when it asks for two). A ``tool_choice`` that forces a call makes this turn's output a
+    tool call; ``response_format`` shapes text answers, which this turn cannot give, so it is
+    set aside here (as OpenAI does: an agent with tools and a typed answer sends both)."""
     found: list[tuple[str, Constraint]] = []
-    fmt = body.response_format
+    forced = isinstance(body, ChatCompletionRequest) and tools is not None and (
+        tools.mode == "required" or (tools.mode == "named" and tools.named is not None)
+    )
+    fmt = None if forced else body.response_format
     if isinstance(fmt, ResponseFormatJsonObject):
         found.append(("response_format", Constraint("json_object", "{}")))
     elif isinstance(fmt, ResponseFormatJsonSchema):

@@ -644,3 +644,33 @@ def test_schemas_differing_only_in_property_order_are_different_constraints() ->
     (_, first), (_, second) = constraints  # type: ignore[misc]
     assert first != second
     assert checked_grammar(first) != checked_grammar(second)
+
+
+@pytest.mark.parametrize("choice", [NAMED, "required"])
+def test_a_forced_call_sets_the_response_format_aside_for_its_turn(
+    client: openai.OpenAI, choice: Any
+) -> None:
+    """An agent with tools and a typed answer sends a forcing ``tool_choice`` together with
+    ``response_format``: the turn is the call (the format shapes the text answer after it), as
+    OpenAI takes the pair. Two constraints of another kind are still one too many."""
+    person = _schema_format(Person.model_json_schema())
+    messages: list[Any] = [{"role": "user", "content": "Weather in Bern?"}]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice=choice,
+        response_format=person,  # type: ignore[arg-type]
+        max_tokens=80,
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    call = reply.choices[0].message.tool_calls[0]  # type: ignore[index]
+    _arguments_valid(call.function.arguments)  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError, match="Only one output constraint"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            response_format=person,  # type: ignore[arg-type]
+            extra_body={"guided_choice": ["a", "b"]},
+            max_tokens=8,
+        )
