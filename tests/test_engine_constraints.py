@@ -89,6 +89,24 @@ def generate(engine: Engine, prompt: list[int], params: SamplingParams, method: 
 PROMPTS = ["def add(a, b):\n", "for i in range(10):\n    print(i", "The quick brown fox"]
 
 
+def seeded_first_pairs(
+    engine: Engine, prompt: list[int], params: SamplingParams, method: str
+) -> Counter[tuple[int, int]]:
+    """The first two tokens of ``SAMPLES`` seeded speculative draws (k = 2), counted; the
+    method's proposals must have been accepted sometimes and rejected sometimes, so both
+    paths of the rejection sampler were exercised."""
+    counts: Counter[tuple[int, int]] = Counter()
+    proposed = accepted = 0
+    for seed in range(SAMPLES):
+        sampled = SamplingParams(**{**params.__dict__, "seed": seed})
+        result = generate(engine, prompt, sampled, method, 2)
+        counts[(result.token_ids[0], result.token_ids[1])] += 1
+        proposed += result.stats.num_draft_tokens
+        accepted += result.stats.num_accepted_tokens
+    assert 0 < accepted < proposed, f"{method} proposals all or never accepted"
+    return counts
+
+
 @pytest.mark.parametrize("setting", list(GREEDY_SETTINGS))
 def test_greedy_speculation_equals_plain_decoding_under_processors(
     engine: Engine, setting: str
@@ -247,14 +265,6 @@ def test_speculative_sampling_is_exact_under_processors(
         prompt = engine.tokenizer.encode("def add(a, b):\n")
     else:
         prompt = ngram_prompt(engine, params)
-    counts: Counter[tuple[int, int]] = Counter()
-    proposed = accepted = 0
-    for seed in range(SAMPLES):
-        sampled = SamplingParams(**{**params.__dict__, "seed": seed})
-        result = generate(engine, prompt, sampled, method, 2)
-        counts[(result.token_ids[0], result.token_ids[1])] += 1
-        proposed += result.stats.num_draft_tokens
-        accepted += result.stats.num_accepted_tokens
-    assert 0 < accepted < proposed, f"{method} proposals all or never accepted"
+    counts = seeded_first_pairs(engine, prompt, params, method)
     p_value = chi_square_p_value(counts, exact_pair_distribution(engine, prompt, params))
     assert p_value > SIGNIFICANCE

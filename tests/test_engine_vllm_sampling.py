@@ -12,7 +12,6 @@ the unfiltered distribution, so a filter left out on either side would fail the 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -23,7 +22,7 @@ from engine.logits_processors import LogitsProcessing
 from engine.output import OutputAssembler
 from engine.service import Engine
 from engine.types import SamplingParams
-from tests.test_engine_constraints import NO_FALLBACK, PROMPTS, SAMPLES, generate
+from tests.test_engine_constraints import NO_FALLBACK, PROMPTS, generate, seeded_first_pairs
 from tests.test_engine_sampling import SIGNIFICANCE, chi_square_p_value
 from tests.tiny_models import build_noisy_copy, build_pair
 
@@ -129,15 +128,7 @@ def test_speculative_sampling_is_exact(engine: Engine, setting: str, method: str
         prompt = engine.tokenizer.encode("def add(a, b):\n")
     else:
         prompt = ngram_prompt(engine, params)
-    counts: Counter[tuple[int, int]] = Counter()
-    proposed = accepted = 0
-    for seed in range(SAMPLES):
-        sampled = SamplingParams(**{**params.__dict__, "seed": seed})
-        result = generate(engine, prompt, sampled, method, 2)
-        counts[(result.token_ids[0], result.token_ids[1])] += 1
-        proposed += result.stats.num_draft_tokens
-        accepted += result.stats.num_accepted_tokens
-    assert 0 < accepted < proposed, f"{method} proposals all or never accepted"
+    counts = seeded_first_pairs(engine, prompt, params, method)
     assert chi_square_p_value(counts, pair_distribution(engine, prompt, params)) > SIGNIFICANCE
     unfiltered = SamplingParams(temperature=params.temperature)
     power = chi_square_p_value(counts, pair_distribution(engine, prompt, unfiltered))
