@@ -660,8 +660,10 @@ def test_a_forced_call_sets_the_response_format_aside_for_its_turn(
         messages=messages,
         tools=[WEATHER],
         tool_choice=choice,
+        parallel_tool_calls=False,  # one call: `required` would otherwise allow a list
         response_format=person,  # type: ignore[arg-type]
         max_tokens=80,
+        temperature=0,
     )
     assert reply.choices[0].finish_reason == "tool_calls"
     call = reply.choices[0].message.tool_calls[0]  # type: ignore[index]
