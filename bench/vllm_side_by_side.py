@@ -45,8 +45,8 @@ cache warmed by the first route would favour the second. Within a pair the order
 from one repeat to the next (gateway first, then vLLM direct first), so whatever else one
 run leaves behind for the next falls on both sides alike. Before each concurrency's rounds,
 every route serves one unmeasured batch at that concurrency: the first batch of a new size
-costs more, and without it that cost fell on the first route of the first round (docs/vllm.md,
-stop 15: +30-40 % for the gateway at 16 clients, then -4 % to +2 % in the next round).
+costs more, and without it that cost fell on the first route of the first round (docs/vllm.md:
++30-40 % for the gateway at 16 clients, then -4 % to +2 % in the next round).
 
 It reports tokens/s (all completion tokens over the level's wall time), p50/p99 request
 latency, the acceptance rate, and the gateway's added latency over calling vLLM directly
