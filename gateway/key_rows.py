@@ -40,6 +40,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from gateway.audit.canonical import canonical_json, format_timestamp
+from gateway.audit.log import record_from_row
 from gateway.audit.mac import EventMac
 from gateway.audit.records import EventRecord
 from gateway.audit.schema import api_keys, audit_events
@@ -105,17 +106,7 @@ def newest_event(row: sa.Row[Any]) -> EventRecord | None:
     """The event half of a ``keys_with_newest_event`` row."""
     if row.event_seq is None:
         return None
-    return EventRecord(
-        seq=row.event_seq,
-        event_id=row.event_event_id,
-        created_at=format_timestamp(row.event_created_at),
-        kind=row.event_kind,
-        actor=row.event_actor,
-        payload=row.event_payload,
-        prev_hash=row.event_prev_hash,
-        event_hash=row.event_event_hash,
-        mac=row.event_mac,
-    )
+    return record_from_row(row, prefix="event_")
 
 
 class RowSeal:

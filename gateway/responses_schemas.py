@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, field_validator
 
-from gateway.schemas import MAX_TOOLS, TOOL_NAME_PATTERN, SpeculativeRequest
+from gateway.schemas import MAX_TOOLS, TOOL_NAME_PATTERN, FunctionDefinition, SpeculativeRequest
 
 
 class _Strict(BaseModel):
@@ -89,12 +89,11 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(FunctionDefinition):
+    """A function tool as the Responses API writes it: the definition's fields beside
+    ``type``, not under ``function``."""
+
     type: Literal["function"]
-    name: str = Field(pattern=TOOL_NAME_PATTERN)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class FunctionToolChoice(_Strict):

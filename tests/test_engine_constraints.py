@@ -112,6 +112,16 @@ def test_greedy_speculation_equals_plain_decoding_under_processors(
     engine: Engine, setting: str
 ) -> None:
     params = SamplingParams(max_tokens=40, temperature=0.0, **GREEDY_SETTINGS[setting])  # type: ignore[arg-type]
+    greedy_outputs_equal_plain(engine, params, setting)
+
+
+def greedy_outputs_equal_plain(
+    engine: Engine, params: SamplingParams, setting: str
+) -> list[tuple[int, ...]]:
+    """Each of ``PROMPTS`` decoded greedily with draft and n-gram speculation (k = 1 and 4)
+    equals plain decoding, token for token, and the proposals were partly accepted (else
+    nothing was tested); the plain outputs."""
+    outputs: list[tuple[int, ...]] = []
     proposed = accepted = 0
     for text in PROMPTS:
         prompt = engine.tokenizer.encode(text)
@@ -122,7 +132,9 @@ def test_greedy_speculation_equals_plain_decoding_under_processors(
                 assert result.token_ids == plain, (setting, method, k, text)
                 proposed += result.stats.num_draft_tokens
                 accepted += result.stats.num_accepted_tokens
+        outputs.append(tuple(plain))
     assert 0 < accepted < proposed, "proposals must be partly accepted for this to test anything"
+    return outputs
 
 
 def test_a_json_schema_constraint_gives_json_matching_the_schema(engine: Engine) -> None:

@@ -303,17 +303,20 @@ def content_key_ref(payload: dict[str, Any]) -> str | None:
     return None
 
 
-def record_from_row(row: sa.Row[Any]) -> EventRecord:
+def record_from_row(row: sa.Row[Any], prefix: str = "") -> EventRecord:
+    """The event in ``row``: an ``audit_events`` row, or the columns named ``prefix`` plus
+    the column's name in a join."""
+    field = row._mapping
     return EventRecord(
-        seq=row.seq,
-        event_id=row.event_id,
-        created_at=format_timestamp(row.created_at),
-        kind=row.kind,
-        actor=row.actor,
-        payload=row.payload,
-        prev_hash=row.prev_hash,
-        event_hash=row.event_hash,
-        mac=row.mac,
+        seq=field[f"{prefix}seq"],
+        event_id=field[f"{prefix}event_id"],
+        created_at=format_timestamp(field[f"{prefix}created_at"]),
+        kind=field[f"{prefix}kind"],
+        actor=field[f"{prefix}actor"],
+        payload=field[f"{prefix}payload"],
+        prev_hash=field[f"{prefix}prev_hash"],
+        event_hash=field[f"{prefix}event_hash"],
+        mac=field[f"{prefix}mac"],
     )
 
 
