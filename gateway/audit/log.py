@@ -303,20 +303,23 @@ def content_key_ref(payload: dict[str, Any]) -> str | None:
     return None
 
 
-def record_from_row(row: sa.Row[Any], prefix: str = "") -> EventRecord:
+def record_from_row(row: Any, prefix: str = "") -> EventRecord:
     """The event in ``row``: an ``audit_events`` row, or the columns named ``prefix`` plus
     the column's name in a join."""
-    field = row._mapping
+
+    def field(name: str) -> Any:
+        return getattr(row, prefix + name)
+
     return EventRecord(
-        seq=field[f"{prefix}seq"],
-        event_id=field[f"{prefix}event_id"],
-        created_at=format_timestamp(field[f"{prefix}created_at"]),
-        kind=field[f"{prefix}kind"],
-        actor=field[f"{prefix}actor"],
-        payload=field[f"{prefix}payload"],
-        prev_hash=field[f"{prefix}prev_hash"],
-        event_hash=field[f"{prefix}event_hash"],
-        mac=field[f"{prefix}mac"],
+        seq=field("seq"),
+        event_id=field("event_id"),
+        created_at=format_timestamp(field("created_at")),
+        kind=field("kind"),
+        actor=field("actor"),
+        payload=field("payload"),
+        prev_hash=field("prev_hash"),
+        event_hash=field("event_hash"),
+        mac=field("mac"),
     )
 
 
