@@ -2,7 +2,7 @@
 
 ``make vllm`` installs vLLM in a venv of its own; without it these tests fail and say so
 (CI runs ``make vllm`` first, so nothing is skipped silently). A server start costs a minute
-or more on 2 cores (model load plus compile warm-up), so the tests share one session of
+or more on a small CPU (model load plus compile warm-up), so the tests share one session of
 servers: a plain one and, on the same tiny model, one with n-gram speculation.
 """
 

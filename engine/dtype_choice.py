@@ -4,11 +4,9 @@ A decode or verification pass of a model that does not fit in the CPU caches is 
 matrix-vector products over every weight, so the faster dtype is the one whose products over
 cache-cold weights of the model's own shapes take less time. bfloat16 halves the bytes but is
 only fast where the CPU computes it natively (AVX512-BF16, AMX); where it is emulated it is
-many times slower, and on some CPUs float32 kernels win at small widths. Measured here on an
-AMD EPYC with AVX512-BF16 (2 shared cores), SmolLM2-135M's layer shapes: bfloat16 1.6x
-faster for one token and 3x faster for five (float32 kernels slow down sharply past one row).
-Timing takes well under a second on a quiet machine (several seconds at a load of 7 on 2
-cores), once per shape per process.
+many times slower, and on some CPUs float32 kernels win at small widths, so the choice is
+measured on the CPU that serves. Timing takes about a second on a quiet machine (longer on busy
+shared cores), once per shape per process.
 """
 
 from __future__ import annotations

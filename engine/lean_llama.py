@@ -2,8 +2,8 @@
 
 A decode step of SmolLM2-135M runs about 1,500 PyTorch operators, most of them on tensors of
 a few hundred elements, and HF's modules add their Python around each (keyword plumbing,
-mask construction, output records, hooks): on 2 cores the pass is bound by calls as much
-as by bytes. ``LeanLlama`` runs the same computation, operator for operator where it
+mask construction, output records, hooks): on a small CPU the pass is bound by calls as
+much as by bytes. ``LeanLlama`` runs the same computation, operator for operator where it
 matters for the bits, with less around it:
 
 - one Python function per pass over plain tuples of each layer's parameters (no module

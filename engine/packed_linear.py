@@ -38,7 +38,7 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 @cache
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs weights of ``dtype`` on this CPU: its bfloat16 path needs
-    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and refuses elsewhere (an AVX2-only EPYC), where
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and refuses elsewhere (AVX2-only CPUs), where
     bfloat16 layers keep ``F.linear``."""
     if not torch.backends.mkldnn.is_available() or dtype not in _PACKABLE_DTYPES:
         return False

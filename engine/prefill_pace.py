@@ -2,10 +2,10 @@
 
 A request arriving while a long prompt is being prefilled waits for the chunk pass in flight
 before its own prefill and first decode pass run (``engine.scheduler``). A fixed chunk of
-``long_prefill_token_threshold`` tokens bounds that wait in tokens, not in time: 128 prompt
-tokens of SmolLM2-135M took 10 ms on a GPU, 0.15 s on a Xeon with AMX in bfloat16, and
-0.4-0.57 s on a 2-core AVX2-only EPYC in float32 (context 0 to 1,900), where a short request
-behind a 2,000-token prompt got its first token after up to 1.22 s. ``PrefillPace`` measures
+``long_prefill_token_threshold`` tokens bounds that wait in tokens, not in time: the same
+chunk costs a hundred times more on a small CPU in float32 than on a GPU, so on such a CPU a
+short request behind a long prompt would wait over a second for its first token (figures:
+bench/results/2026-12-06-engine-batching-and-kernels.md). ``PrefillPace`` measures
 what the chunk passes served cost per prompt token and cuts chunks so that a pass is
 predicted to take at most ``max_seconds``; where passes are faster than that, the token
 threshold alone applies, as before.

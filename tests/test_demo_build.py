@@ -101,8 +101,8 @@ def test_the_converted_target_answers_a_chat_in_chatml(demo_target: Path) -> Non
     assert chat.endswith("<|im_start|>user\nWhat is the capital of Switzerland?<|im_end|>\n"
                          "<|im_start|>assistant\n")
     # Float32: " Bern" leads " L" by 0.016 in logit, far above float32's rounding but not
-    # bfloat16's, so in bfloat16 the answer depends on the CPU's kernels (an AVX2-only EPYC,
-    # which has no bfloat16 arithmetic, answers "Lier").
+    # bfloat16's, so in bfloat16 the answer depends on the CPU's kernels (a CPU without
+    # bfloat16 arithmetic can answer otherwise).
     model = AutoModelForCausalLM.from_pretrained(
         demo_target, local_files_only=True, dtype=torch.float32
     )

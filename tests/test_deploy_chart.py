@@ -634,7 +634,7 @@ def test_install_refuses_values_the_schema_rejects(chart: helm.Chart) -> None:
         chart.render({"replicas": 2}, name=RELEASE, namespace=NAMESPACE)
 
 
-# --- database roles and the audit MAC key (issue 12) ------------------------------------------
+# --- database roles and the audit MAC key ---------------------------------------------------
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)

@@ -31,7 +31,7 @@ def _card(*artefacts: dict[str, str | None]) -> BackendCard:
 
 
 def _legacy(draft_version: str | None) -> dict[str, Any]:
-    """A `request` event's model fields as written until stop 22."""
+    """A `request` event's model fields in the earliest format, before the artefacts list."""
     return {
         "model": "m",
         "target_version": "sha256:t",

@@ -8,7 +8,7 @@ independently of the other rows of its call (the C file says how), so a sequence
 and with ``engine.kernels.decode_attention`` its logits, are bitwise the same alone and in
 any batch of at most ``MAX_ROWS`` rows.
 
-Figures (an AVX2-only EPYC, loaded): docs/engine.md, "The products of a decode step".
+Figures: bench/results/2026-12-06-engine-batching-and-kernels.md, "The small products".
 
 ``SPECGATE_SMALL_GEMM=onednn`` switches it off (oneDNN's packed products throughout).
 """
@@ -27,9 +27,8 @@ log = logging.getLogger(__name__)
 
 PANEL = 16  # the C file's PANEL
 # Passes of more rows (prefill chunks longer than the default long_prefill_token_threshold)
-# run F.linear. Up to here the kernel is the faster (an AVX2 EPYC, per layer of the demo
-# target: 4.6 ms against MKL's sgemm's 5.6 at 128 rows; at 256, 11.4 against 13.5, where
-# oneDNN would take 9.3).
+# run F.linear: up to 128 rows the kernel is faster than MKL's sgemm on the demo target's
+# shapes, beyond it oneDNN's blocked products catch up.
 MAX_ROWS = 128
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p

@@ -31,9 +31,10 @@ from engine.proposers.base import Proposal
 from engine.types import Method, SamplingParams
 
 # Ordered roughly by how often such a node is accepted (head 0's top ranks first): the first
-# 16 nodes are the tree of stop 28 (within 1 % of the best 16-node tree its heads' measured
-# rank accuracies choose), the next 16 ``sparse_tree``'s extension of it to 32 nodes under
-# those accuracies (docs/engine.md, "Medusa trees above 16 nodes"); adaptive k takes a prefix.
+# 16 nodes are within 1 % of the best 16-node tree that measured per-rank head accuracies
+# choose, the next 16 ``sparse_tree``'s extension of it to 32 nodes under those accuracies
+# (bench/results/2026-12-06-engine-speculation.md, "Medusa trees above 16 nodes"); adaptive k
+# takes a prefix, so any k gets a good tree of k nodes.
 DEFAULT_MEDUSA_TREE: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (0, 0), (2,), (0, 1), (1, 0), (0, 0, 0), (3,), (0, 2), (0, 0, 1),
     (2, 0), (1, 1), (0, 0, 0, 0), (0, 1, 0), (4,), (0, 0, 0, 1),

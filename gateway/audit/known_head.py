@@ -27,8 +27,8 @@ from gateway.audit.merkle import CompactRange
 # The events, the nodes and the new head, only if the head is the one known (``moved``).
 # Every parameter goes in binary (``%(name)b``): in text format psycopg writes each array
 # element through Python regular expressions, quoting and escaping it, and a payload's JSON
-# text has a backslash-escaped quote every few characters. For a `request` event that took
-# 0.35-0.55 ms per append, before the statement could leave; in binary, 0.10-0.12 ms.
+# text has a backslash-escaped quote every few characters, so text conversion was the largest
+# piece of the loop's own work per append (bench/results/2026-12-06-request-path.md).
 APPEND = """
 WITH moved AS (
     UPDATE audit_head
