@@ -7,10 +7,10 @@ a cache, because CUDA's fused kernels cannot take grouped heads with a mask. PyT
 kernel can (``enable_gqa``), so on CPU verification passes skip that copy of the whole cache
 in every layer. Everything else is left to transformers' own ``sdpa``.
 
-PyTorch's CPU flash attention in bfloat16 costs about 1 us per cached position for a single
-query row (it repacks keys and values for its bfloat16 kernel at every call), 4-5x what the
-float32 kernel takes with the casts included: on SmolLM2-135M at 400 positions, 414 against
-111 us per layer (docs/engine.md, "Speed on CPU"). So a half-precision pass of at most
+PyTorch's CPU flash attention in bfloat16 repacks keys and values for its bfloat16 kernel at
+every call, so for a single query row it costs several times what the float32 kernel takes
+with the casts included (figures: bench/results/2026-12-06-engine-batching-and-kernels.md,
+"Where a CPU decode step goes"). So a half-precision pass of at most
 ``FLOAT32_ATTENTION_ROWS`` rows (decode and verification steps) attends in float32 and rounds
 the result back; prefill chunks, where the half-precision kernel amortises its repacking,
 attend in the model's dtype. Plain and verification steps thus attend alike, in float32,

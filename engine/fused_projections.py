@@ -10,7 +10,7 @@ order (rotary, the cache's ``update``, the configured attention, ``o_proj``; SiL
 
 Every output element is still one dot product over the same input row, but oneDNN blocks a
 wider product differently, so the sums may round otherwise than the separate products' (in
-bfloat16 up to 0.375 in a logit of the demo target; docs/engine.md, "The batched pass"); the
+bfloat16 by a fraction of a logit, enough to flip a near-tie); the
 engine's plain and speculative passes all run the fused model, so they agree with each
 other as before. Only modules of exactly
 ``LlamaAttention`` and ``LlamaMLP`` are fused (other architectures keep HF's forwards), and a

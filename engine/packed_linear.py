@@ -5,9 +5,9 @@ hands the BLAS an ordinary row-major weight at every call (oneDNN in bfloat16, w
 reorders it into its blocked layout per call; MKL's ``sgemm`` in float32). Packing each weight
 once at load (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing pass does)
 lets every pass run oneDNN's blocked kernel straight from the packed copy, for one row
-(decode) and a few (verification) alike. On SmolLM2-135M in bfloat16 that made a decode step
-1.36x cheaper in CPU time; in float32 it made no difference inside the model (figures:
-``docs/engine.md``, "Speed on CPU").
+(decode) and a few (verification) alike. In bfloat16 that makes a decode step markedly
+cheaper; in float32 it makes little difference inside the model (figures:
+``bench/results/2026-12-06-engine-batching-and-kernels.md``).
 
 ``pack_linear_weights`` first fuses the input projections of Llama-family layers
 (``engine.fused_projections``: q/k/v and gate/up each one packed product) and packs the

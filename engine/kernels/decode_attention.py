@@ -4,11 +4,12 @@
 verification chains and trees) in float32, every sequence over its own extent of the slot
 cache's arena, and returns ``[batch, rows, heads, head_dim]``, or None where the kernel does
 not apply (no library, not CPU float32, a layout it does not take); the caller then runs
-PyTorch's SDPA. It replaces one SDPA call per sequence per layer (about 60-70 us each on 2
-cores whatever the length up to a few hundred positions, docs/engine.md) and computes every
-row independently of the rest of its pass (the C file says how), so a sequence's attention
-is bitwise the same alone and in any batch, in a decode step and as row 0 of a verification
-(its logits too, where the products do not round differently at another batch row count).
+PyTorch's SDPA. It replaces one SDPA call per sequence per layer (each about as dear whatever
+the length up to a few hundred positions; figures in
+bench/results/2026-12-06-engine-batching-and-kernels.md) and computes every row
+independently of the rest of its pass (the C file says how), so a sequence's attention is
+bitwise the same alone and in any batch, in a decode step and as row 0 of a verification (its
+logits too, where the products do not round differently at another batch row count).
 
 ``SPECGATE_DECODE_ATTENTION=sdpa`` switches it off (PyTorch's path throughout).
 """

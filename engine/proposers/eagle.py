@@ -45,7 +45,9 @@ ToTarget = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class EagleTree:
     num_steps: int = 5
-    eagle_topk: int = 8  # SGLang's default is 4; measured longer runs at 8 (docs/engine.md)
+    # SGLang's default top-k is 4; 8 gave longer accepted runs on the demo target's heads
+    # (bench/results/2026-12-06-engine-speculation.md).
+    eagle_topk: int = 8
     num_draft_tokens: int = 16
 
     def __post_init__(self) -> None:
