@@ -128,10 +128,10 @@ def _median_proposal_ms(
     times = []
     for _ in range(repeats):
         proposer.start(context)
-        proposer.observe_hidden(hidden[:-2])  # type: ignore[attr-defined]
+        proposer.observe_hidden(hidden[:-2])
         proposer.propose(context[:-2], k, params, generator)
         proposer.accepted(context)
-        proposer.observe_hidden(hidden[-2:])  # type: ignore[attr-defined]
+        proposer.observe_hidden(hidden[-2:])
         start = time.perf_counter()
         proposer.propose(context, k, params, generator)
         times.append(time.perf_counter() - start)

@@ -397,7 +397,8 @@ def best_length(
 
 
 class SpeculationLength:
-    """Per-request choice of k from how long the proposer stays right and what passes cost.
+    """What a request's choice of k needs: how long its proposer stays right and what passes
+    cost (the choice itself is the batch's, ``engine.batch_speculation``, alone a batch of one).
 
     Acceptance is bursty (a draft is right for long runs where the text is predictable, an
     n-gram lookup while the output copies the prompt), so instead of one per-token rate this
@@ -508,23 +509,6 @@ class SpeculationLength:
         if isinstance(self.runs, NodeHits):
             return self.max_k
         return max(self.runs.longest + 1, self.hint or 0)
-
-    def choose(self) -> int:
-        """k for this request's next step, served alone."""
-        if self.hint == 0:
-            return 0  # nothing to propose: not a plain step chosen, and no probe is due
-        best_k = best_length([self.candidate()], self.costs.target)
-        if self.explore_from:
-            return max(best_k, min(self.explore_from + 1, self.max_k))
-        if best_k == 0:
-            self.plain_run += 1
-            if self.plain_run > self.PROBE_AFTER_PLAIN_STEPS:
-                self.plain_run = 0
-                return 1
-            self.plain_steps += 1
-        else:
-            self.plain_run = 0
-        return best_k
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from engine.adaptive import Candidate, PassCosts, SpeculationLength
-from engine.decoding import Speculation
+from engine.speculation import Speculation
 
 
 class RecentMedian:
@@ -219,7 +219,7 @@ class BatchSpeculation:
                 length.plain_steps += 1
 
     def _probing(self, batch: int, adaptive: list[tuple[int, Candidate | None]]) -> list[int]:
-        """The sequences that probe now. Alone, the sequence (as the one-request loop does).
+        """The sequences that probe now. Alone, the sequence.
         In a shared batch, those whose proposers need no catch-up (an n-gram lookup, heads,
         a draft that is current), then the ones cheapest to catch up, as many as the budget
         holds: ``PROBE_SHARE`` of the plain steps' time since the last probe."""
@@ -322,8 +322,9 @@ def _candidate(seq: Sequence) -> Candidate | None:
     cap = max(0, seq.remaining - 1)
     length = speculation.length
     resume = length.costs.catch_up(length.method, seq.catch_up)
-    if speculation.schedule is not None or speculation.fixed_k is not None:
-        forced = min(speculation.next_k(seq.step), cap)
+    forced_k = speculation.forced_k(seq.step)
+    if forced_k is not None:
+        forced = min(forced_k, cap)
         return replace(
             length.candidate(cap), forced=forced, resume_seconds=resume, tokens_left=seq.remaining
         )

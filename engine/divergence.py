@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from engine.decoding import prefill
 from engine.model_runner import ModelRunner
 
 # How many units in the last place (at the larger of the two logits' magnitude) one logit gap
@@ -138,9 +137,9 @@ def plain_step_logits(
     model: PreTrainedModel, prompt: Sequence[int], plain: Sequence[int]
 ) -> torch.Tensor:
     """The target's logits before each token of ``plain`` (``[len(plain), vocab]``) as plain
-    decoding computes them (``engine.decoding``: the prompt prefilled, then one-token steps)."""
+    decoding computes them (the prompt prefilled, then one-token steps)."""
     runner = ModelRunner(model)
-    prefill(runner, list(prompt))
+    runner.prefill(list(prompt))
     rows = [runner.forward([token])[-1] for token in [prompt[-1], *plain[:-1]]]
     return torch.stack(rows)
 
@@ -148,5 +147,5 @@ def plain_step_logits(
 def _verification_pass(model: PreTrainedModel, context: list[int], tail: list[int]) -> torch.Tensor:
     """Logits after ``context`` as the first row of a multi-token pass computes them."""
     runner = ModelRunner(model)
-    prefill(runner, context)
+    runner.prefill(context)
     return runner.forward([context[-1], *tail])[0]

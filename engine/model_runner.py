@@ -52,6 +52,18 @@ class ModelRunner:
         self._length = 0
         self._passes.clear()
 
+    def prefill(self, prompt: list[int], want_hidden: bool = False) -> torch.Tensor | None:
+        """Cache ``prompt`` minus its last token (the first decode pass feeds that token),
+        from an empty cache. With ``want_hidden``, returns the last hidden states of those
+        positions."""
+        self.reset()
+        if len(prompt) < 2:
+            return None
+        if want_hidden:
+            return self.forward_hidden(prompt[:-1])[1]
+        self.forward(prompt[:-1], last_only=True)
+        return None
+
     @torch.inference_mode()
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` positions. Always crops, also by nothing: that shrinks the

@@ -37,15 +37,15 @@ from opentelemetry import trace
 
 from engine.adaptive import PassCosts
 from engine.batch_speculation import BatchSpeculation, Sequence, StepCosts
-from engine.batched_runner import BatchedRunner, Feed
-from engine.decoding import Speculation, record_proposal_cost
+from engine.batched_runner import Feed
 from engine.logits_processors import LogitsProcessing
 from engine.logprobs import LogprobRecorder
 from engine.output import OutputAssembler
 from engine.prefill_pace import PrefillPace
 from engine.proposers.base import Proposal
 from engine.proposers.batched_draft import BatchedDraft, BatchedDraftProposer, DraftRequest
-from engine.step import StepRow, run_step
+from engine.speculation import Speculation, record_proposal_cost
+from engine.step import StepRow, StepRunner, run_step
 from engine.types import MAX_STEP_ROWS, GenerationStats, Method, StreamDelta
 
 if TYPE_CHECKING:
@@ -92,10 +92,9 @@ class ActiveSequence:
     def hidden_observer(self) -> Callable[[torch.Tensor], None] | None:
         """The proposer's ``observe_hidden`` where it drafts from the target's hidden states."""
         proposer = self.speculation.proposer if self.speculation is not None else None
-        if proposer is None or not getattr(proposer, "wants_hidden", False):
+        if proposer is None or not proposer.wants_hidden:
             return None
-        observe: Callable[[torch.Tensor], None] = proposer.observe_hidden  # type: ignore[attr-defined]
-        return observe
+        return proposer.observe_hidden
 
     @property
     def prefill_target(self) -> int:
@@ -123,7 +122,7 @@ class BatchLimits:
 class BatchScheduler:
     def __init__(
         self,
-        runner: BatchedRunner,
+        runner: StepRunner,
         limits: BatchLimits,
         costs: PassCosts,
         steps: StepCosts,
@@ -263,7 +262,7 @@ class BatchScheduler:
         if seq.speculation is not None:
             seq.speculation.begin(list(seq.context))
             observe = seq.hidden_observer
-            if observe is not None and seq.prompt_hidden:  # as the one-request loop does
+            if observe is not None and seq.prompt_hidden:
                 observe(torch.cat(seq.prompt_hidden))
             seq.prompt_hidden = None
 

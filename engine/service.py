@@ -27,7 +27,6 @@ from engine.batched_cache import supports_batching
 from engine.batched_runner import BatchedRunner
 from engine.compat import continues_exactly
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.decoding import Speculation, decode, prefill
 from engine.delta_channel import DeltaChannel
 from engine.dtype_choice import DtypeChoice
 from engine.grammar import Grammars
@@ -49,7 +48,10 @@ from engine.packed_linear import pack_linear_weights
 from engine.proposers import Proposer
 from engine.proposers.base import ShapeAdapting
 from engine.sampling import effective_sampling
-from engine.scheduler import ActiveSequence, BatchLimits, BatchScheduler, annotate, reservation
+from engine.scheduler import ActiveSequence, BatchLimits, BatchScheduler, reservation
+from engine.serial_runner import SerialRunner
+from engine.speculation import Speculation
+from engine.step import StepRunner
 from engine.types import (
     MAX_SPECULATIVE_TOKENS,
     MAX_TOP_LOGPROBS,
@@ -66,7 +68,6 @@ from engine.types import (
     PromptTooLongError,
     QueueFullError,
     SamplingParams,
-    StreamDelta,
 )
 from engine.versioning import model_version
 
@@ -175,10 +176,10 @@ class Engine:
             if self._batching_blocked_by is None:
                 self._batching_blocked_by = loaded.batching_blocked_by
         self.batching = self._batching_blocked_by is None
-        self._batched = (
+        self._runner: StepRunner = (
             BatchedRunner(target, config.max_num_seqs, config.batch_invariant)
             if self.batching
-            else None
+            else SerialRunner(self._target)
         )
         self.available_methods: tuple[Method, ...] = (PLAIN, *self._proposers)
         self._eos = _eos_ids(target, tokenizer)
@@ -359,33 +360,26 @@ class Engine:
             )
 
     def _serve(self) -> None:
-        if self._batched is not None:
+        """Every request through the scheduler's step: in a shared batch, or one at a time
+        where the model's cache slots cannot share a pass (its prompt prefilled whole, as
+        Hugging Face's cache of such layers takes it)."""
+        config = self.config
+        if self.batching:
             limits = BatchLimits(
-                self.config.max_num_seqs,
-                self.config.max_num_batched_tokens,
-                self.config.max_kv_tokens,
-                self.config.long_prefill_token_threshold,
-                self.config.batch_invariant,
-                self.config.max_prefill_chunk_seconds,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.max_kv_tokens,
+                config.long_prefill_token_threshold,
+                config.batch_invariant,
+                config.max_prefill_chunk_seconds,
             )
-            self._scheduler = BatchScheduler(
-                self._batched, limits, self._costs, self._step_costs, self._admit, self._finish
-            )
-            self._scheduler.run(self._queue)
-            return
-        while True:
-            handle = self._queue.get()
-            if handle is None:
-                return
-            if handle.cancelled:
-                continue
-            token = otel_context.attach(handle.otel_context)
-            try:
-                self._run(handle)
-            except Exception as exc:  # delivered to the caller, never kills the worker
-                handle.put(exc)
-            finally:
-                otel_context.detach(token)
+        else:
+            whole = max(self.max_context, config.max_num_batched_tokens)
+            limits = BatchLimits(1, whole, None, whole)
+        self._scheduler = BatchScheduler(
+            self._runner, limits, self._costs, self._step_costs, self._admit, self._finish
+        )
+        self._scheduler.run(self._queue)
 
     @property
     def target_model(self) -> PreTrainedModel:
@@ -456,14 +450,14 @@ class Engine:
                 runner.truncate(length)
             return min(times[1:])  # noise on shared cores only ever adds time
 
-        prefill(self._target, prompt[:32])
+        self._target.prefill(prompt[:32])
         for tokens in sizes:
             self._costs.record_target(tokens, seconds(self._target, prompt[32 : 32 + tokens]))
         for method, loaded in self._methods.items():
             proposer = self._proposers[method]
             runner = None if loaded.calibrate is None else loaded.calibrate(proposer)
             if runner is not None:
-                prefill(runner, prompt[:32])
+                runner.prefill(prompt[:32])
                 self._costs.record_proposer(method, seconds(runner, prompt[-1:]))
                 proposer.start([])
 
@@ -491,66 +485,6 @@ class Engine:
                     )
                 )
         return shedding
-
-    def _run(self, handle: RequestHandle) -> None:
-        request = handle.request
-        params = request.sampling
-        plan = self._plan(request)
-        stats = GenerationStats(
-            method=plan.method,
-            num_prompt_tokens=len(request.prompt_ids),
-            fallback_active=plan.fallback_active,
-        )
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        prompt = list(request.prompt_ids)
-        output = OutputAssembler(self.tokenizer, params, prompt, self._eos)
-        processing = self._processing(handle)
-        recorder = self._recorder(params)
-
-        wants_hidden = plan.speculation is not None and getattr(
-            plan.speculation.proposer, "wants_hidden", False
-        )
-        with _tracer.start_as_current_span("specgate.prefill") as span:
-            span.set_attribute("specgate.prompt_tokens", len(prompt))
-            prompt_hidden = prefill(self._target, prompt, want_hidden=wants_hidden)
-        with _tracer.start_as_current_span("specgate.decode") as span:
-            steps = decode(
-                self._target,
-                prompt,
-                params,
-                generator,
-                stats,
-                plan.speculation,
-                self._costs,
-                processing,
-                None if recorder is None else recorder.observe,
-                prompt_hidden,
-            )
-            for tokens in steps:
-                if handle.cancelled:
-                    break
-                before = len(output.token_ids)
-                piece = output.add(tokens)
-                logprobs = None
-                if recorder is not None:
-                    logprobs = recorder.take(before, len(output.token_ids))
-                if not stats.time_to_first_token_s:
-                    stats.time_to_first_token_s = time.perf_counter() - handle.submitted_at
-                stats.num_output_tokens = len(output.token_ids)
-                if piece.finish_reason is not None:
-                    stats.total_time_s = time.perf_counter() - handle.submitted_at
-                    handle.put(
-                        StreamDelta(
-                            piece.text, tuple(piece.token_ids), piece.finish_reason, stats, logprobs
-                        )
-                    )
-                    break
-                if piece.token_ids or piece.text:
-                    handle.put(StreamDelta(piece.text, tuple(piece.token_ids), logprobs=logprobs))
-            steps.close()
-            annotate(span, stats)
-        self._record(plan.speculation, stats)
 
     def _record(self, speculation: Speculation | None, stats: GenerationStats) -> None:
         """A finished request's acceptance and passes, into the fallback monitor."""

@@ -2,28 +2,53 @@
 proposal (a tree; a chain is a one-branch tree, plain decoding an empty one), one target pass
 runs them all, and each sequence is verified and committed on its own.
 
-Verification is per sequence with the sequence's own generator, in the same order of random
-draws as the one-request loop (``engine.decoding``), so a seeded request draws the same
-numbers whatever else shares the batch.
+Verification is per sequence with the sequence's own generator, so a seeded request draws
+the same numbers whatever else shares the batch. A request served alone is a batch of one
+through this same step; a model whose cache slots cannot share a pass runs it on a
+``SerialRunner`` (one sequence at a time in Hugging Face's cache).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from engine.batched_runner import BatchedRunner, Feed
-from engine.decoding import verify
+from engine.batched_runner import Feed
 from engine.logits_processors import LogitsProcessing, proposal_paths
 from engine.proposers.base import Proposal
 from engine.sampling import TreeVerdict
+from engine.speculation import verify
 from engine.types import SamplingParams
 
 # Gets the processed target logits of each committed position with the tokens committed
 # there (logprobs).
 Observer = Callable[[torch.Tensor, list[int]], None]
+
+
+class StepRunner(Protocol):
+    """The target's runner as the scheduler and the step use it: ``BatchedRunner`` (slots
+    that share each pass) or ``SerialRunner`` (one slot in Hugging Face's cache)."""
+
+    device: torch.device
+
+    def forward(self, feeds: list[Feed], last_only: bool = False) -> list[torch.Tensor]: ...
+
+    def forward_hidden(
+        self, feeds: list[Feed]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
+
+    def keep_path(
+        self, slot: int, committed_len: int, path: tuple[int, ...] | list[int]
+    ) -> None: ...
+
+    def move_slot(self, source: int, target: int) -> None: ...
+
+    def release(self, slot: int) -> None: ...
+
+    def reserve(self, slot: int, positions: int) -> None: ...
 
 
 @dataclass
@@ -38,7 +63,7 @@ class StepRow:
     processing: LogitsProcessing | None = None
     observe: Observer | None = None
     # Gets the target's last hidden states of the committed positions (a proposer that
-    # drafts from them, as in the one-request loop).
+    # drafts from them).
     observe_hidden: Callable[[torch.Tensor], None] | None = None
 
 
@@ -47,7 +72,7 @@ def proposal_parents(proposal: Proposal) -> tuple[int, ...] | None:
     return None if proposal.is_chain else proposal.parent_indices()
 
 
-def run_step(runner: BatchedRunner, rows: list[StepRow]) -> list[TreeVerdict]:
+def run_step(runner: StepRunner, rows: list[StepRow]) -> list[TreeVerdict]:
     """One target pass over ``rows``; verify and commit each; the verdicts in row order."""
     feeds = [
         Feed(row.slot, [row.context[-1], *row.proposal.tokens], proposal_parents(row.proposal))

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from engine.adaptive import Candidate, NodeHits, PassCosts, SpeculationLength
-from engine.decoding import record_proposal_cost
 from engine.proposers.base import Proposal
+from engine.speculation import record_proposal_cost
+from tests.decode_alone import adaptive, k_alone
 
 
 def test_node_hits_count_each_node_and_carry_the_estimate_to_unseen_nodes() -> None:
@@ -56,7 +57,7 @@ def test_a_tree_proposal_is_priced_whole_whatever_its_node_count() -> None:
         length.record(16, 2, [0, 5 + _ % 10])  # nodes deep in the ranking are accepted too
     candidate = length.candidate()
     assert candidate.overhead(4) == candidate.overhead(16) == pytest.approx(0.02)
-    assert length.choose() == 16
+    assert k_alone(adaptive(length)) == 16
 
 
 def test_a_chain_proposers_cost_stays_per_token() -> None:

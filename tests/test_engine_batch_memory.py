@@ -100,7 +100,7 @@ def test_the_kv_budget_bounds_what_the_cache_allocates(
     )
     engine = Engine.load(config)
     try:
-        runner = engine._batched
+        runner = engine._runner
         assert runner is not None
         allocated: list[int] = []
         running: list[int] = []

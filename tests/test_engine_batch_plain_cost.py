@@ -56,7 +56,7 @@ def spy_passes(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Every target decode pass's and every draft pass's rows per feed, from now on."""
-    target_runner = engine._batched
+    target_runner = engine._runner
     prototype = engine._proposers["draft"]
     assert target_runner is not None and isinstance(prototype, BatchedDraftProposer)
     target_passes: list[list[int]] = []

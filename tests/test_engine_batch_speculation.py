@@ -13,8 +13,8 @@ from itertools import pairwise
 
 from engine.adaptive import PassCosts, RunLengths, SpeculationLength
 from engine.batch_speculation import BatchSpeculation, Sequence, StepCosts
-from engine.decoding import Speculation
 from engine.proposers import NgramProposer
+from engine.speculation import Speculation
 
 
 def two_core_steps(per_row: float = 0.016, fixed: float = 0.064) -> StepCosts:
@@ -256,5 +256,4 @@ def test_nothing_to_propose_is_neither_a_plain_step_nor_a_probe() -> None:
     chooser = BatchSpeculation(steps)
     for _ in range(4 * length.PROBE_AFTER_PLAIN_STEPS):
         assert chooser.lengths([seq]) == [0]
-        assert length.choose() == 0
     assert length.plain_steps == 0 and length.candidate().cap == 0

@@ -23,11 +23,11 @@ from engine.adaptive import PassCosts, RunLengths, SpeculationLength
 from engine.batch_speculation import BatchSpeculation, Sequence, StepCosts, crossover
 from engine.batched_runner import BatchedRunner, Feed
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.decoding import Speculation
 from engine.model_runner import ModelRunner
 from engine.proposers import NgramProposer
 from engine.proposers.batched_draft import BatchedDraftProposer
 from engine.service import Engine
+from engine.speculation import Speculation
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from tests.test_engine_sampling import (
     SAMPLES,
@@ -179,7 +179,7 @@ def test_a_short_request_decodes_before_the_long_prompt_prefill_goes_on(
     """A prompt the step budget could finish at once is still cut into chunks, and a chunk
     that does not finish its prompt waits for the decode pass: the short request behind it
     gets its first token while the long prompt is still being prefilled."""
-    runner = engine._batched
+    runner = engine._runner
     assert runner is not None
     passes: list[tuple[bool, list[int]]] = []  # (prefill chunk, the feeds' lengths)
     forward = runner.forward
@@ -253,7 +253,7 @@ def test_batch_invariant_mode_runs_each_sequence_in_a_pass_of_its_own(
         alone = [eng.generate(request).token_ids for request in built]
         widths: list[int] = []
         chunks: list[int] = []
-        runner = eng._batched
+        runner = eng._runner
         assert runner is not None and runner.invariant
         shared = runner._shared_pass
 

@@ -37,6 +37,7 @@ from engine.types import (
     SpeculativeChoice,
 )
 from engine.versioning import CACHE_NAME, model_version
+from tests.decode_alone import adaptive, k_alone
 from tests.tiny_models import build_model, build_noisy_copy, build_pair, build_tokenizer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -331,7 +332,7 @@ def test_speculation_length_follows_acceptance_and_cost() -> None:
     for _ in range(10):
         good.record(4, 4)
         poor.record(4, 1)
-    assert good.choose() > poor.choose() >= 1
+    assert k_alone(adaptive(good)) > k_alone(adaptive(poor)) >= 1
     # Same acceptance rate (one half), once in bursts and once steadily: bursts pay for longer
     # proposals, which a single per-token rate cannot see.
     bursty = SpeculationLength(max_k=8, prior_alpha=0.5, costs=flat, method="draft")
@@ -341,23 +342,23 @@ def test_speculation_length_follows_acceptance_and_cost() -> None:
         bursty.record(6, 0)
         steady.record(6, 3)
         steady.record(6, 3)
-    assert bursty.choose() > steady.choose()
+    assert k_alone(adaptive(bursty)) > k_alone(adaptive(steady))
     assert bursty.survival()[5] > 0.4 > steady.survival()[5]
     # A fully accepted step makes the next one look one token further.
     hopeful = SpeculationLength(max_k=8, prior_alpha=0.1, costs=flat, method="draft")
-    assert hopeful.choose() <= 2
+    assert k_alone(adaptive(hopeful)) <= 2
     hopeful.record(2, 2)
-    assert hopeful.choose() >= 3
+    assert k_alone(adaptive(hopeful)) >= 3
     # Compute-bound verification and a poor draft: a plain step is cheaper than any proposal.
     steep = costs_of(per_extra_token=0.015, draft=0.008)
     hopeless = SpeculationLength(max_k=8, prior_alpha=0.2, costs=steep, method="draft")
-    assert hopeless.choose() == 0
+    assert k_alone(adaptive(hopeless)) == 0
     # With nothing measured yet every pass costs the same, so the longest proposal wins, as
     # far as the method's runs reach: one token without evidence, eight after a run of 7.
     unmeasured = SpeculationLength(8, 0.5, PassCosts(), "draft")
-    assert unmeasured.choose() == 1
+    assert k_alone(adaptive(unmeasured)) == 1
     unmeasured.record(7, 7)
-    assert unmeasured.choose() == 8
+    assert k_alone(adaptive(unmeasured)) == 8
     assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
     assert theoretical_speedup(0.8, 4, 0.1) == pytest.approx(2.4011, abs=1e-4)
 
@@ -384,8 +385,8 @@ def test_a_new_request_starts_from_the_engine_wide_run_lengths() -> None:
         long_runs.record(8, 7)
         short_runs.record(8, 0)
     fresh = SpeculationLength(8, 0.5, flat, "draft", long_runs)
-    assert fresh.choose() >= 6 and fresh.survival()[0] > 0.8
-    assert SpeculationLength(8, 0.5, flat, "draft", short_runs).choose() <= 1
+    assert k_alone(adaptive(fresh)) >= 6 and fresh.survival()[0] > 0.8
+    assert k_alone(adaptive(SpeculationLength(8, 0.5, flat, "draft", short_runs))) <= 1
     # The request's own steps move it away from the engine-wide curve, and feed it.
     for _ in range(20):
         fresh.record(8, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,6 @@ from transformers import PreTrainedModel
 
 from engine.adaptive import PassCosts, SpeculationLength
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.decoding import Speculation, decode, prefill
 from engine.divergence import (
     ROUNDING_ULPS,
     first_difference,
@@ -26,7 +26,9 @@ from engine.loading import load_model
 from engine.model_runner import ModelRunner
 from engine.proposers.ngram import NgramProposer
 from engine.service import Engine
+from engine.speculation import Speculation
 from engine.types import GenerationRequest, GenerationStats, SamplingParams, SpeculativeChoice
+from tests.decode_alone import decode_alone
 from tests.tiny_models import build_noisy_copy, build_pair
 
 NO_FALLBACK = SpeculativeConfig(
@@ -112,8 +114,10 @@ class PerturbedVerification(ModelRunner):
     """A broken target runner: in every pass of several tokens its first row's logit of the
     target's least likely token is raised above the maximum (far beyond any rounding)."""
 
-    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
-        logits = super().forward(token_ids, last_only).clone()
+    def forward(
+        self, token_ids: list[int], last_only: bool = False, **tree: Any
+    ) -> torch.Tensor:
+        logits = super().forward(token_ids, last_only, **tree).clone()
         if len(token_ids) > 1 and not last_only:
             row = logits[0]
             row[row.argmin()] = row.max() + 1.0
@@ -127,13 +131,9 @@ def _decode(runner: ModelRunner, prompt: list[int], speculate: bool) -> list[int
         if speculate
         else None
     )
-    prefill(runner, prompt)
-    out: list[int] = []
-    for tokens in decode(
+    return decode_alone(
         runner, prompt, params, torch.Generator(), GenerationStats("ngram"), speculation
-    ):
-        out += tokens
-    return out
+    )
 
 
 @pytest.mark.parametrize("unit", [[5, 9, 13], [7, 7, 30, 12], [21, 4]])
@@ -163,8 +163,10 @@ class RoundingNoise(ModelRunner):
         super().__init__(model)
         self.noise = torch.Generator().manual_seed(seed)
 
-    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
-        logits = super().forward(token_ids, last_only).clone()
+    def forward(
+        self, token_ids: list[int], last_only: bool = False, **tree: Any
+    ) -> torch.Tensor:
+        logits = super().forward(token_ids, last_only, **tree).clone()
         if len(token_ids) > 1 and not last_only:
             magnitude = logits.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
             eps = torch.finfo(torch.bfloat16).eps

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
-from engine import decoding
+from engine import speculation
 from engine.adaptive import PassCosts
 from engine.config import EngineConfig, SpeculativeConfig, speculative_config_from_vllm
 from engine.heads import heads_method
@@ -260,7 +260,7 @@ def test_greedy_eagle_equals_plain_decoding(
     engine: Engine, k: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     branches: list[bool] = []
-    monkeypatch.setattr(decoding, "verify_tree_greedy", side_branch_recorder(branches))
+    monkeypatch.setattr(speculation, "verify_tree_greedy", side_branch_recorder(branches))
     accepted = greedy_equals_plain(engine, "eagle", k)
     assert accepted > 0, "the draft never got a token accepted: the test proves too little"
     if k is not None and k >= 10:  # adaptive k may stay small; a big tree must branch

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from engine.adaptive import FallbackMonitor, PassCosts, RunLengths, SpeculationLength
+from engine.batch_speculation import BatchSpeculation, StepCosts
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.service import Engine
 from engine.types import FallbackEvent, GenerationRequest, SamplingParams, SpeculativeChoice
+from tests.decode_alone import adaptive, k_alone
 from tests.tiny_models import build_pair
 
 PLAIN = 0.010  # seconds of a one-token target pass in these figures
@@ -113,7 +115,10 @@ def test_adaptive_k_probes_after_a_run_of_plain_steps() -> None:
     history = RunLengths(8)
     history.record(1, 0)
     pessimistic = SpeculationLength(8, 0.0, flat_costs({"ngram": 0.0}), "ngram", history)
-    choices = [pessimistic.choose() for _ in range(3 * SpeculationLength.PROBE_AFTER_PLAIN_STEPS)]
+    request = adaptive(pessimistic)
+    chooser = BatchSpeculation(StepCosts(pessimistic.costs))
+    steps = 3 * SpeculationLength.PROBE_AFTER_PLAIN_STEPS
+    choices = [k_alone(request, chooser) for _ in range(steps)]
     assert 0 in choices and choices.count(1) >= 2
     assert pessimistic.plain_steps == choices.count(0)
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from engine import decoding
+from engine import speculation
 from engine.adaptive import PassCosts, SpeculationLength
 from engine.heads import data as heads_data
 from engine.heads.medusa import HeadsMismatchError, MedusaHeads, load_heads
@@ -44,6 +44,7 @@ from engine.proposers.medusa import (
     tree_expected_tokens,
 )
 from engine.service import Engine
+from engine.speculation import Speculation
 from engine.types import (
     MAX_SPECULATIVE_TOKENS,
     GenerationRequest,
@@ -52,6 +53,7 @@ from engine.types import (
     SpeculativeChoice,
 )
 from engine.versioning import model_version
+from tests.decode_alone import decode_alone
 from tests.heads_harness import (
     PROMPTS,
     assert_sampling_is_exact,
@@ -116,7 +118,7 @@ def test_greedy_medusa_equals_plain_decoding(
     engine: Engine, k: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     branches: list[bool] = []
-    monkeypatch.setattr(decoding, "verify_tree_greedy", side_branch_recorder(branches))
+    monkeypatch.setattr(speculation, "verify_tree_greedy", side_branch_recorder(branches))
     accepted = greedy_equals_plain(engine, "medusa", k)
     assert accepted > 0, "the heads never got a token accepted: the test proves too little"
     if k == 10:  # adaptive k may stay small; a 10-node tree must have taken a side branch
@@ -159,7 +161,7 @@ def test_medusa_in_a_shared_batch_sees_the_hidden_rows_it_sees_alone(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batched, every Medusa request gets plain decoding's tokens, and its heads are handed
-    the same hidden rows, step by step, as in the one-request loop (engine.decoding)."""
+    the same hidden rows, step by step, as when it is served alone."""
     assert engine.batching
     seen: dict[int, list[torch.Tensor]] = {}
     observe = MedusaProposer.observe_hidden
@@ -192,18 +194,11 @@ def test_medusa_in_a_shared_batch_sees_the_hidden_rows_it_sees_alone(
         length = SpeculationLength(8, 0.5, PassCosts(), "medusa")
         runner = ModelRunner(engine.target_model)
         prompt = list(request.prompt_ids)
-        hidden = decoding.prefill(runner, prompt, want_hidden=True)
         gen = torch.Generator().manual_seed(0)
-        speculation = decoding.Speculation(
+        speculation = Speculation(
             proposer, None, length, schedule=tuple(result.stats.proposal_lengths)
         )
-        alone = [
-            t
-            for step in decoding.decode(
-                runner, prompt, params, gen, stats, speculation, None, None, None, hidden
-            )
-            for t in step
-        ]
+        alone = decode_alone(runner, prompt, params, gen, stats, speculation)
         assert alone == list(result.token_ids)
         rows_alone = seen[id(proposer)]
         rows_batched = in_batch[len(prompt) - 1]

@@ -6,8 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.adaptive import PassCosts, SpeculationLength
-from engine.decoding import Speculation
 from engine.proposers.ngram import ALIGNMENT_CAP, NgramProposer, find_match, lookup
+from engine.speculation import Speculation
 from engine.types import SamplingParams
 
 

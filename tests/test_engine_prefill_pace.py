@@ -81,7 +81,7 @@ def serve_slowly(
             max_prefill_chunk_seconds=BOUND_S,
         )
     )
-    runner = engine._batched
+    runner = engine._runner
     assert runner is not None
     chunks: list[tuple[int, int]] = []
     forward = runner.forward

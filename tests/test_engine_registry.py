@@ -29,7 +29,7 @@ from engine.methods import (
     register,
     unregister,
 )
-from engine.proposers.base import Proposal
+from engine.proposers.base import Proposal, TokenProposer
 from engine.service import Engine
 from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.versioning import model_version, write_manifest
@@ -48,7 +48,7 @@ class EchoOptions(BaseModel):
     echo_span: int = Field(default=1, ge=1, description="Tokens repeated per proposal.")
 
 
-class EchoProposer:
+class EchoProposer(TokenProposer):
     """Proposes the context's last ``span`` tokens again (a deterministic chain)."""
 
     method = "echo"

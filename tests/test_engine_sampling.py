@@ -18,11 +18,12 @@ from scipy.stats import chisquare
 
 from engine.adaptive import PassCosts, RunLengths, SpeculationLength
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.decoding import Speculation, decode, prefill
 from engine.proposers.ngram import lookup
 from engine.sampling import probabilities
 from engine.service import Engine
+from engine.speculation import Speculation
 from engine.types import GenerationRequest, GenerationStats, SamplingParams, SpeculativeChoice
+from tests.decode_alone import decode_alone
 from tests.tiny_models import build_noisy_copy, build_pair
 
 SIGNIFICANCE = 0.001
@@ -188,8 +189,7 @@ def test_draft_sampling_that_stops_where_the_draft_is_unsure_is_exact(engine: En
         reached.record(4, 4)
         length = SpeculationLength(4, 0.5, PassCosts(), "draft", reached)
         stats = GenerationStats(method="draft")
-        prefill(engine._target, prompt)
-        steps = decode(
+        tokens = decode_alone(
             engine._target,
             prompt,
             params,
@@ -197,7 +197,6 @@ def test_draft_sampling_that_stops_where_the_draft_is_unsure_is_exact(engine: En
             stats,
             Speculation(draft, None, length, min_confidence),
         )
-        tokens = [t for step in steps for t in step]
         counts[(tokens[0], tokens[1])] += 1
         proposed[stats.num_draft_tokens // max(stats.num_drafts, 1)] += 1
     assert len(proposed) > 1, f"the draft never or always stopped early: {proposed}"

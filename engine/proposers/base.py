@@ -53,9 +53,16 @@ class Proposer(Protocol):
     # The most tokens one proposal holds whatever k asks (a static tree's nodes, EAGLE's
     # ``num_draft_tokens``), so adaptive k never prices nodes it cannot propose; None: k's.
     most_tokens: int | None
+    # Drafts from the target's last hidden states (Medusa's heads, EAGLE): the engine hands
+    # it those of the committed positions (``observe_hidden``) before each proposal.
+    wants_hidden: bool
 
     def start(self, prompt_ids: list[int]) -> None:
         """A new request begins with this prompt."""
+
+    def observe_hidden(self, hidden: torch.Tensor) -> None:
+        """The target's last hidden states ``[n, hidden]`` of the positions just committed
+        (the prompt's, then each step's); called only where ``wants_hidden``."""
 
     def propose(
         self,
@@ -73,6 +80,16 @@ class Proposer(Protocol):
 
     def accepted(self, context: list[int]) -> None:
         """Verification committed ``context``; anything proposed beyond it was rejected."""
+
+
+class TokenProposer:
+    """The part of ``Proposer`` common to proposers that draft from tokens alone (n-gram
+    lookup, draft models): they need none of the target's hidden states."""
+
+    wants_hidden = False
+
+    def observe_hidden(self, hidden: torch.Tensor) -> None:
+        raise TypeError(f"{type(self).__name__} drafts from tokens, not hidden states")
 
 
 @runtime_checkable

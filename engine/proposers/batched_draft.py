@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from engine.batched_runner import BatchedRunner, Feed
 from engine.logits_processors import LogitsProcessing
-from engine.proposers.base import Proposal
+from engine.proposers.base import Proposal, TokenProposer
 from engine.proposers.draft import DraftHead, Drafting, agreeing_prefix
 from engine.types import Method, SamplingParams
 
@@ -137,7 +137,7 @@ class DraftRequest:
     processing: LogitsProcessing | None = None
 
 
-class BatchedDraftProposer:
+class BatchedDraftProposer(TokenProposer):
     """One request's place in a ``BatchedDraft``: a draft cache slot and what it holds."""
 
     method: Method = "draft"

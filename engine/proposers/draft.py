@@ -45,7 +45,7 @@ from engine.methods import (
 )
 from engine.model_runner import ModelRunner
 from engine.packed_linear import pack_linear_weights
-from engine.proposers.base import Proposal, Proposer
+from engine.proposers.base import Proposal, Proposer, TokenProposer
 from engine.proposers.translating import TranslatingDraftProposer
 from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
 from engine.sampling import probabilities, sample
@@ -156,7 +156,7 @@ def agreeing_prefix(cached: list[int], agreed: int, context: list[int]) -> int:
     return keep
 
 
-class DraftModelProposer:
+class DraftModelProposer(TokenProposer):
     method: Method = "draft"
     proposes_trees = False
     most_tokens: int | None = None

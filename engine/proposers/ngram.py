@@ -26,7 +26,7 @@ import torch
 
 from engine.logits_processors import LogitsProcessing
 from engine.methods import LoadContext, LoadedMethod, MethodSpec, register
-from engine.proposers.base import Proposal
+from engine.proposers.base import Proposal, TokenProposer
 from engine.types import MAX_SPECULATIVE_TOKENS, Method, SamplingParams
 
 # The latest occurrences of the suffix n-gram compared for alignment (a short n-gram can occur
@@ -160,7 +160,7 @@ def lookup(context: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     return continuation(context, find_match(context, min_n, max_n) if k >= 1 else None, k)
 
 
-class NgramProposer:
+class NgramProposer(TokenProposer):
     """Prompt lookup over its own ``SuffixIndex`` of the request's committed sequence."""
 
     method: Method = "ngram"

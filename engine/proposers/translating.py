@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.logits_processors import LogitsProcessing
 from engine.model_runner import ModelRunner
-from engine.proposers.base import Proposal
+from engine.proposers.base import Proposal, TokenProposer
 from engine.types import Method, SamplingParams
 
 # Committed target tokens re-encoded with the continuation: a token may span the boundary.
@@ -44,7 +44,7 @@ def _text(tokenizer: PreTrainedTokenizerBase, ids: list[int], **kwargs: bool) ->
     return text
 
 
-class TranslatingDraftProposer:
+class TranslatingDraftProposer(TokenProposer):
     method: Method = "draft"
     proposes_trees = False
     most_tokens: int | None = None
