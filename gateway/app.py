@@ -1,4 +1,4 @@
-"""The gateway application: ``create_app(settings)`` wires settings, audit log, keys and backend.
+"""The gateway application: ``create_app(settings)`` wires settings, audit log, keys and backends.
 
 Startup order matters for fail-closed auditing: the audit store is migrated and reachable,
 events spooled by the previous run are committed, the models are loaded, this instance's lease
@@ -71,6 +71,7 @@ from gateway.routes import (
     tokenize,
 )
 from gateway.routes import privacy as privacy_routes
+from gateway.served_models import load_models
 from gateway.settings import ConfigError, Settings, engine_config
 from gateway.spool import EventSpool
 
@@ -115,8 +116,8 @@ def database_timeouts(settings: Settings) -> DatabaseTimeouts:
 
 
 FallbackListener = Callable[[FallbackEvent], None]
-# What the app serves from: built from the settings, given the fallback listener (audit and
-# metrics) the backend calls on each switch.
+# What the app serves a model from: built from that model's settings, given the fallback
+# listener (audit and metrics) the backend calls on each switch.
 BackendLoader = Callable[[Settings, FallbackListener], GenerationBackend]
 
 
@@ -129,7 +130,7 @@ def load_local_backend(settings: Settings, on_fallback: FallbackListener) -> Gen
 
 
 def load_configured_backend(settings: Settings, on_fallback: FallbackListener) -> GenerationBackend:
-    """The backend the settings' ``backend.kind`` names."""
+    """The backend a model's settings' ``backend.kind`` names."""
     if settings.backend.kind == "vllm":
         from gateway.backends.vllm import load_vllm_backend
 
@@ -166,11 +167,14 @@ def start_services(
     spool = EventSpool(settings.data_dir, audit_log, db, settings.spool_retry_s)
     spool.drain()
     record_at_startup(settings.processing_record_path, audit_log, db, SYSTEM_ACTOR)
-    backend = load_backend(settings, telemetry.fallback_listener(fallback_recorder(spool)))
-    telemetry.watch_backend(backend)
-    if isinstance(backend, ReplicatedBackend):
-        telemetry.metrics.watch_replicas(backend.replica_states)
-        backend.watch_replicas(telemetry.replica_listener(replica_recorder(spool)))
+    on_fallback = telemetry.fallback_listener(fallback_recorder(spool))
+    served = load_models(settings.configured_models(), lambda own: load_backend(own, on_fallback))
+    telemetry.watch_backends([model.backend for model in served])
+    for model in served:
+        backend = model.backend
+        if isinstance(backend, ReplicatedBackend):
+            telemetry.metrics.watch_replicas(backend.replica_states)
+            backend.watch_replicas(telemetry.replica_listener(replica_recorder(spool)))
     leases = Leases(audit_log, db, instance, settings.lease_ttl_s)
     try:
         # After the (slow) model load, so that the lease is fresh when serving starts.
@@ -183,16 +187,16 @@ def start_services(
         audit_log.append(
             "startup",
             SYSTEM_ACTOR,
-            {**startup_payload(settings, backend.card), "instance_id": instance},
+            {**startup_payload(settings, served), "instance_id": instance},
         )
     except BaseException:
-        backend.close()
+        served.close()
         db.dispose()
         raise
     spool.start()
     refusals = RefusalLog(
         spool,
-        model=backend.card.model_name,
+        model=", ".join(served.names),
         instance_id=instance,
         window_s=settings.refusal_window_s,
     )
@@ -204,7 +208,7 @@ def start_services(
     )
     return Services(
         settings=settings,
-        backend=backend,
+        models=served,
         audit=audit_log,
         keys=keys,
         signer=signer,
@@ -270,7 +274,7 @@ async def stop_services(services: Services) -> None:
         except AuditUnavailableError as error:
             log.warning("lease_not_released", error=str(error))
     await services.appender.close(time_left())
-    await run_in_threadpool(services.backend.close)
+    await run_in_threadpool(services.models.close)
     await run_in_threadpool(services.spool.close, time_left())
     services.offload.close()
     services.db.dispose()
@@ -356,7 +360,7 @@ def create_app(
         lease = asyncio.create_task(_keep_lease(services, settings.lease_renew_s))
         log.info(
             "gateway_started",
-            model=services.backend.card.model_name,
+            models=services.models.names,
             host=settings.host,
             port=settings.port,
         )

@@ -132,8 +132,12 @@ def serve(
                 "backend: --backend vllm needs --vllm-url/--vllm-speculative-url or a "
                 "backend block with vllm_servers (YAML or SPECGATE_BACKEND)"
             )
-        if settings.backend.kind == "local":
-            engine_config(settings)
+        for model in settings.configured_models():
+            if model.settings.backend.kind == "local":
+                try:
+                    engine_config(model.settings)
+                except ConfigError as error:
+                    raise model.located(error) from None
     except ConfigError as error:
         typer.echo(f"specgate serve: {error}", err=True)
         raise typer.Exit(2) from None

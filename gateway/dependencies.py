@@ -28,6 +28,7 @@ from gateway.observability.telemetry import Telemetry
 from gateway.offload import Offload
 from gateway.privacy.store import PrivacyStore
 from gateway.refusals import RefusalLog
+from gateway.served_models import ServedModels
 from gateway.settings import Settings
 from gateway.spool import EventSpool
 
@@ -35,7 +36,7 @@ from gateway.spool import EventSpool
 @dataclass
 class Services:
     settings: Settings
-    backend: GenerationBackend
+    models: ServedModels
     audit: AuditLog
     keys: KeyStore
     signer: CheckpointSigner
@@ -51,6 +52,11 @@ class Services:
     privacy: PrivacyStore
     key_cache: KeyCache
     leases: Leases
+
+    @property
+    def backend(self) -> GenerationBackend:
+        """The first model's backend: the one model of a single-model configuration."""
+        return self.models.first.backend
 
 
 def services_of(request: Request) -> Services:
@@ -70,10 +76,6 @@ async def get_services(request: Request) -> Services:
     return services_of(request)
 
 
-async def get_backend(request: Request) -> GenerationBackend:
-    return services_of(request).backend
-
-
 async def get_audit(request: Request) -> AuditLog:
     return services_of(request).audit
 
@@ -87,7 +89,6 @@ async def get_settings(request: Request) -> Settings:
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]
-BackendDep = Annotated[GenerationBackend, Depends(get_backend)]
 AuditDep = Annotated[AuditLog, Depends(get_audit)]
 KeysDep = Annotated[KeyStore, Depends(get_keys)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

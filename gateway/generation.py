@@ -87,6 +87,7 @@ from gateway.schemas import (
     ToolCall,
     TopLogprob,
 )
+from gateway.served_models import ServedModel
 
 log = structlog.get_logger(__name__)
 
@@ -166,16 +167,6 @@ class Job:
     @property
     def response_id(self) -> str:
         return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.request_id}"
-
-
-def check_model(requested: str, card: BackendCard) -> None:
-    if requested != card.model_name:
-        raise APIError(
-            404,
-            f"The model '{requested}' does not exist. This server serves '{card.model_name}'.",
-            param="model",
-            code="model_not_found",
-        )
 
 
 def speculative_choice(
@@ -518,11 +509,11 @@ def build_job(
     max_prompt_bytes: int,
     store_content: bool = False,
 ) -> Job:
-    """Check the request against the served model; raises APIError naming the parameter.
-    Templating and tokenizing are CPU work: call it off the event loop. A request without a
-    seed gets one drawn here, so that its `request` event records it (replay)."""
+    """Check the request against the model it was routed to (``backend``); raises APIError
+    naming the parameter. Templating and tokenizing are CPU work: call it off the event loop.
+    A request without a seed gets one drawn here, so that its `request` event records it
+    (replay)."""
     card = backend.card
-    check_model(body.model, card)
     if body.stream_options is not None and not body.stream:
         raise APIError(
             400, "stream_options is only allowed when stream is true.", param="stream_options"
@@ -671,10 +662,12 @@ class _ChoiceState:
 
 @dataclass
 class AuditedGeneration:
-    """Runs one Job against the backend, with its `request` and `completion` events."""
+    """Runs one Job against the backend of the model it names, with its `request` and
+    `completion` events."""
 
     services: Services
     principal: Principal
+    model: ServedModel
     job: Job
     slots: Slots | None = None
     started: float = field(default_factory=time.perf_counter)
@@ -694,7 +687,7 @@ class AuditedGeneration:
 
     @property
     def backend(self) -> GenerationBackend:
-        return self.services.backend
+        return self.model.backend
 
     async def open(self) -> list[Generation]:
         """Commit the `request` event, then submit; returns the backend's generations.
@@ -746,6 +739,7 @@ class AuditedGeneration:
             commitments = await self._commitment_key(subject_ref)
             payload = request_payload(
                 card=self.backend.card,
+                backend=self.model.kind,
                 principal=self.principal,
                 route=job.route,
                 request_id=job.request_id,

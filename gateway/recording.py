@@ -25,6 +25,7 @@ from gateway.backends.base import BackendCard
 from gateway.keys import Principal
 from gateway.offload import Offload
 from gateway.privacy.store import SealedContent
+from gateway.served_models import ServedModel, ServedModels
 from gateway.settings import Settings
 from gateway.spool import EventSpool
 
@@ -110,7 +111,7 @@ def models_in_use(card: BackendCard) -> dict[str, Any]:
 
 def recorded_artefacts(payload: dict[str, Any]) -> list[dict[str, Any]]:
     """The artefacts a `startup` or `request` event records. Events written before the
-    generic list (until stop 22) named a draft model only, in ``draft``/``draft_version``;
+    generic list (the earliest format) named a draft model only, in ``draft``/``draft_version``;
     those read as the one ``draft_model`` artefact they describe."""
     if "artefacts" in payload:
         return [dict(a) for a in payload["artefacts"]]
@@ -120,10 +121,13 @@ def recorded_artefacts(payload: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"kind": "draft_model", **legacy_draft}]
 
 
-def startup_payload(settings: Settings, card: BackendCard) -> dict[str, Any]:
+def served_model_record(model: ServedModel) -> dict[str, Any]:
+    """One served model as the `startup` event records it."""
+    card = model.backend.card
     return {
-        "config": settings.public_snapshot(),
         **models_in_use(card),
+        "backend": model.kind,
+        "aliases": list(model.aliases),
         "available_methods": list(card.available_methods),
         "speculative_config": card.speculative_config,
         "max_context": card.max_context,
@@ -132,9 +136,20 @@ def startup_payload(settings: Settings, card: BackendCard) -> dict[str, Any]:
     }
 
 
+def startup_payload(settings: Settings, models: ServedModels) -> dict[str, Any]:
+    """The configuration and every served model (``models``); the first model's record is
+    also at the top level, where the events of a gateway serving one model have it."""
+    return {
+        "config": settings.public_snapshot(),
+        **served_model_record(models.first),
+        "models": [served_model_record(model) for model in models],
+    }
+
+
 def request_payload(
     *,
     card: BackendCard,
+    backend: str,
     principal: Principal,
     route: str,
     request_id: str,
@@ -153,8 +168,9 @@ def request_payload(
     """The `request` event, committed before generation starts (fail closed). ``sampling.seed``
     is the effective seed: the client's, or the one drawn for it (``seed_drawn``); with the
     model versions, the speculative configuration and the completion's schedule it is what
-    ``specgate audit replay`` needs. ``client_request_id`` is vLLM's ``request_id`` as the
-    client sent it; ``chat_template`` the template options a chat prompt was rendered with
+    ``specgate audit replay`` needs; ``backend`` is what served the model (``local`` or
+    ``vllm``). ``client_request_id`` is vLLM's ``request_id`` as the client sent it;
+    ``chat_template`` the template options a chat prompt was rendered with
     (``template_record``; the prompt commitment covers the rendered text)."""
     return {
         "request_id": request_id,
@@ -163,6 +179,7 @@ def request_payload(
         "key_name": principal.name,
         "subject_ref": subject_ref,
         **models_in_use(card),
+        "backend": backend,
         "speculative": {
             "requested_method": speculative.method,
             "requested_num_speculative_tokens": speculative.num_speculative_tokens,
@@ -338,13 +355,14 @@ def fallback_recorder(spool: EventSpool) -> Callable[[FallbackEvent], None]:
 
 def replica_recorder(spool: EventSpool) -> Callable[[Any], None]:
     """A remote backend's replica listener: a `backend_replica` event per replica taken out
-    or put back, through the durable spool like `fallback` events (it runs on the backend's
-    thread)."""
+    or put back, a `backend_replica_check` event per configuration check with news (each
+    event's ``kind``), through the durable spool like `fallback` events (it runs on the
+    backend's thread)."""
 
     def record(event: Any) -> None:
         try:
-            spool.enqueue("backend_replica", None, event.as_dict())
+            spool.enqueue(event.kind, None, event.as_dict())
         except Exception:
-            log.exception("replica_event_not_recorded", url=event.url, action=event.action)
+            log.exception("replica_event_not_recorded", url=event.url, kind=event.kind)
 
     return record

@@ -517,6 +517,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specgate"
+    aliases: list[str] = Field(
+        default_factory=list, description="Other names a request's `model` may give it by."
+    )
     target_version: str
     artefacts: list[Artefact] = Field(
         default_factory=list,

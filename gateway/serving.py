@@ -63,10 +63,12 @@ class AuditedStream(StreamingResponse):
 async def start(
     body: ChatCompletionRequest | CompletionRequest, principal: Principal, services: Services
 ) -> AuditedGeneration:
-    """Admit (or 429 at once), then template and tokenize off the event loop."""
+    """Route to the model the request names (or 404), admit (or 429 at once), then template
+    and tokenize off the event loop."""
     if services.lifecycle.stopping:
         services.refusals.count(principal.key_id, "shutting_down")
         raise shutting_down("The gateway is shutting down; retry on another instance.")
+    model = services.models.resolve(body.model)
     try:
         slots = services.admission.admit(body.n)
     except APIError as refusal:
@@ -76,7 +78,7 @@ async def start(
         job = await services.offload.prepare(
             build_job,
             body,
-            services.backend,
+            model.backend,
             services.settings.max_prompt_bytes,
             services.settings.store_content
             if principal.store_content is None
@@ -85,7 +87,7 @@ async def start(
     except BaseException:
         slots.release()
         raise
-    return AuditedGeneration(services, principal, job, slots)
+    return AuditedGeneration(services, principal, model, job, slots)
 
 
 async def serve_stream(

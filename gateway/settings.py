@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -86,7 +87,7 @@ class VllmServerSettings(BaseModel):
 
 class BackendSettings(BaseModel):
     """What generates tokens: the built-in engine (``local``: the engine fields of
-    :class:`Settings` apply) or vLLM servers (``vllm``)."""
+    :class:`ModelSettings` apply) or vLLM servers (``vllm``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -107,13 +108,14 @@ class BackendSettings(BaseModel):
     )
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SPECGATE_", extra="forbid")
+class ModelSettings(BaseModel):
+    """One served model: its backend and, for the built-in engine, its model directories,
+    speculation, fallback and batching. The top level of :class:`Settings` holds these for a
+    gateway that serves one model; each entry of ``models`` holds them for one of several."""
+
+    model_config = ConfigDict(extra="forbid")
 
     backend: BackendSettings = Field(default_factory=BackendSettings)
-
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=1, le=65535)
 
     target: Path | None = Field(
         default=None, description="Target model directory; None serves the demo pair."
@@ -158,8 +160,6 @@ class Settings(BaseSettings):
     )
     dtype: DType = "auto"
     device: str | None = None
-    served_model_name: str | None = None
-    max_queue: int = Field(default=64, ge=1)
     max_num_seqs: int = Field(
         default=16, ge=1, le=256, description="Sequences decoded together in one batch."
     )
@@ -181,6 +181,91 @@ class Settings(BaseSettings):
     max_kv_tokens: int | None = Field(
         default=None, ge=1, description="KV budget in cached positions over all batch slots."
     )
+    fallback_min_speedup: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="Switch a method off while its estimated speedup stays below this (0: never).",
+    )
+    acceptance_thresholds: dict[RegisteredMethod, float] = Field(
+        default_factory=dict,
+        description="Acceptance threshold per method, e.g. {\"ngram\": 0.3}; by default only "
+        "the draft model has one (acceptance_threshold).",
+    )
+    translate_draft_tokens: bool = Field(
+        default=False,
+        description="Accept a draft with another tokenizer (its text re-tokenized for the target).",
+    )
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+        default=None,
+        description="How tool calls are read from the output (vLLM's --tool-call-parser); "
+        "unset: chosen from the model's chat template.",
+    )
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _vllm_json_parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            speculative_config_from_vllm(value)
+        return value
+
+    @field_validator("backend")
+    @classmethod
+    def _vllm_servers_given(cls, value: BackendSettings) -> BackendSettings:
+        if value.kind == "vllm":
+            if not value.vllm_servers:
+                raise ValueError("kind 'vllm' needs at least one entry in vllm_servers")
+            for index, server in enumerate(value.vllm_servers):
+                if server.model_version is None and server.model_dir is None:
+                    raise ValueError(
+                        f"vllm_servers[{index}]: give model_version, or model_dir with the "
+                        "manifest `specgate models hash DIR` writes"
+                    )
+                if server.resolved_pool == "speculative" and not server.speculative_config:
+                    raise ValueError(
+                        f"vllm_servers[{index}]: pool 'speculative' needs speculative_config"
+                    )
+        return value
+
+
+class ServedModelSettings(ModelSettings):
+    """One entry of ``models``: a model the gateway serves under ``name`` and ``aliases``
+    (requests name either in their ``model`` field). The keys it leaves out take the top
+    level's values, so that what all models share is written once."""
+
+    name: str = Field(min_length=1, description="What `model` names; the audit records it.")
+    aliases: list[str] = Field(default_factory=list, description="Other names that route here.")
+
+
+@dataclass(frozen=True)
+class ConfiguredModel:
+    """A model to serve: its own settings (the top level's with its entry's keys over them;
+    ``served_model_name`` is the entry's name), its aliases, and where its keys are written
+    (``models[1]``, or ``""`` for the top level's one model)."""
+
+    settings: Settings
+    aliases: tuple[str, ...] = ()
+    where: str = ""
+
+    def located(self, error: ConfigError) -> ConfigError:
+        """``error`` naming the entry it is about."""
+        return ConfigError(f"{self.where}: {error}") if self.where else error
+
+
+class Settings(BaseSettings, ModelSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECGATE_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+    models: list[ServedModelSettings] = Field(
+        default_factory=list,
+        description="Several models, each with its name, aliases and backend; empty: the one "
+        "model the top level describes.",
+    )
+    served_model_name: str | None = Field(
+        default=None, description="The one model's name; None: its directory's or vLLM's."
+    )
+    max_queue: int = Field(default=64, ge=1)
     cpu_threads: int | None = Field(default=None, ge=1, description="torch CPU threads.")
 
     data_dir: Path = Field(default_factory=_default_data_dir)
@@ -233,25 +318,6 @@ class Settings(BaseSettings):
     )
     trace_content: bool = False
     egress_allowlist: list[str] = Field(default_factory=list)
-    fallback_min_speedup: float = Field(
-        default=1.0,
-        ge=0.0,
-        description="Switch a method off while its estimated speedup stays below this (0: never).",
-    )
-    acceptance_thresholds: dict[RegisteredMethod, float] = Field(
-        default_factory=dict,
-        description="Acceptance threshold per method, e.g. {\"ngram\": 0.3}; by default only "
-        "the draft model has one (acceptance_threshold).",
-    )
-    translate_draft_tokens: bool = Field(
-        default=False,
-        description="Accept a draft with another tokenizer (its text re-tokenized for the target).",
-    )
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
-        default=None,
-        description="How tool calls are read from the output (vLLM's --tool-call-parser); "
-        "unset: chosen from the model's chat template.",
-    )
 
     audit_mac_key_path: Path = Field(
         default_factory=lambda data: (
@@ -382,39 +448,54 @@ class Settings(BaseSettings):
         "`refused` audit event per window of this length.",
     )
 
-    @field_validator("speculative_config")
-    @classmethod
-    def _vllm_json_parses(cls, value: str | None) -> str | None:
-        if value is not None:
-            speculative_config_from_vllm(value)
-        return value
-
-    @field_validator("backend")
-    @classmethod
-    def _vllm_servers_given(cls, value: BackendSettings) -> BackendSettings:
-        if value.kind == "vllm":
-            if not value.vllm_servers:
-                raise ValueError("kind 'vllm' needs at least one entry in vllm_servers")
-            for index, server in enumerate(value.vllm_servers):
-                if server.model_version is None and server.model_dir is None:
-                    raise ValueError(
-                        f"vllm_servers[{index}]: give model_version, or model_dir with the "
-                        "manifest `specgate models hash DIR` writes"
-                    )
-                if server.resolved_pool == "speculative" and not server.speculative_config:
-                    raise ValueError(
-                        f"vllm_servers[{index}]: pool 'speculative' needs speculative_config"
-                    )
-        return value
+    def configured_models(self) -> list[ConfiguredModel]:
+        """The models to serve, in the order given: the entries of ``models``, else the one
+        model of the top level."""
+        if not self.models:
+            return [ConfiguredModel(self)]
+        return [
+            ConfiguredModel(
+                self.model_copy(
+                    update={
+                        **{
+                            key: getattr(entry, key)
+                            for key in entry.model_fields_set
+                            if key in ModelSettings.model_fields
+                        },
+                        "served_model_name": entry.name,
+                        "models": [],
+                    }
+                ),
+                tuple(entry.aliases),
+                f"models[{index}]",
+            )
+            for index, entry in enumerate(self.models)
+        ]
 
     def outbound_backend_urls(self) -> dict[str, str]:
-        """The URLs the backend connects to, for the egress guard (``source -> url``)."""
-        if self.backend.kind != "vllm":
-            return {}
-        return {
-            f"backend.vllm_servers[{index}].url": server.url
-            for index, server in enumerate(self.backend.vllm_servers)
-        }
+        """The URLs the backends connect to, for the egress guard (``source -> url``)."""
+        urls = {}
+        for model in self.configured_models():
+            backend = model.settings.backend
+            if backend.kind == "vllm":
+                prefix = f"{model.where}." if model.where else ""
+                for index, server in enumerate(backend.vllm_servers):
+                    urls[f"{prefix}backend.vllm_servers[{index}].url"] = server.url
+        return urls
+
+    @model_validator(mode="after")
+    def _model_names_unique(self) -> Settings:
+        if self.models and self.served_model_name is not None:
+            raise ValueError("served_model_name names the one model; with models, use name")
+        seen: dict[str, int] = {}
+        for index, entry in enumerate(self.models):
+            for name in (entry.name, *entry.aliases):
+                if name in seen:
+                    raise ValueError(
+                        f"models[{index}]: the name {name!r} is models[{seen[name]}]'s already"
+                    )
+                seen[name] = index
+        return self
 
     @model_validator(mode="after")
     def _lease_renewed_in_time(self) -> Settings:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.backends.base import GenerationBackend
 from gateway.errors import APIError
-from gateway.generation import chat_prompt, check_model, completion_prompt
+from gateway.generation import chat_prompt, completion_prompt
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool
 
 
@@ -68,8 +68,8 @@ def tokenize(
     backend: GenerationBackend,
     max_prompt_bytes: int,
 ) -> TokenizeResponse:
-    """CPU work (templating, tokenizing): call it off the event loop."""
-    check_model(body.model, backend.card)
+    """CPU work (templating, tokenizing): call it off the event loop. ``backend``: the
+    model's the request names."""
     if isinstance(body, TokenizePromptRequest):
         completion = CompletionRequest(model=body.model, prompt=body.prompt)
         prompt = completion_prompt(completion, backend, max_prompt_bytes)
@@ -91,7 +91,6 @@ def tokenize(
 
 def detokenize(body: DetokenizeRequest, backend: GenerationBackend) -> DetokenizeResponse:
     card = backend.card
-    check_model(body.model, card)
     if any(token < 0 or token >= card.vocab_size for token in body.tokens):
         raise APIError(400, f"Token ids must lie in [0, {card.vocab_size}).", param="tokens")
     return DetokenizeResponse(prompt=backend.detokenize(body.tokens))

@@ -505,6 +505,28 @@ def test_rendered_configuration_is_accepted_by_specgate_settings(
     assert loaded.store_content is False
 
 
+def test_a_models_list_renders_into_the_configuration(chart: helm.Chart, tmp_path: Path) -> None:
+    """``config.models`` reaches the ConfigMap as Specgate's ``models`` list; the schema
+    asks each entry for its name."""
+    models = [
+        {"name": "chat", "target": "/models/chat"},
+        {"name": "code", "aliases": ["coder"], "target": "/models/code", "method": "ngram"},
+    ]
+    config_file = tmp_path / "config.yaml"
+    docs = render(chart, {"config": {"models": models}})
+    config_file.write_text(find(docs, "ConfigMap", FULLNAME)["data"]["config.yaml"])
+    served = [
+        (m.settings.served_model_name, m.aliases, str(m.settings.target), m.settings.method)
+        for m in load_settings(config_file).configured_models()
+    ]
+    assert served == [
+        ("chat", (), "/models/chat", None),
+        ("code", ("coder",), "/models/code", "ngram"),
+    ]
+    with pytest.raises(helm.HelmValuesError):
+        chart.validate_schema({"config": {"models": [{"target": "/models/chat"}]}})
+
+
 def test_notes_tell_the_operator_how_to_create_the_first_admin_key(chart: helm.Chart) -> None:
     notes = chart.render(name=RELEASE, namespace=NAMESPACE)["specgate/templates/NOTES.txt"]
     assert (

@@ -2,8 +2,8 @@
 
 ``Telemetry.start(settings)`` runs the egress guard over every outbound URL before anything
 is exported, then installs tracing if it is configured. The app then calls
-:meth:`Telemetry.instrument` once, :meth:`watch_backend` once the backend is loaded, opens each
-completion's GenAI span with :meth:`start_completion`, and appends audit events through
+:meth:`Telemetry.instrument` once, :meth:`watch_backends` once the backends are loaded, opens
+each completion's GenAI span with :meth:`start_completion`, and appends audit events through
 :class:`gateway.observability.audit.ObservedAuditLog`, which wraps each in :meth:`audit_write`.
 """
 
@@ -163,17 +163,23 @@ class Telemetry:
 
         return Response(self.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
-    def watch_backend(self, backend: GenerationBackend) -> None:
-        """Expose the backend's queue depth and fallback state as gauges read at scrape time."""
-        card = backend.card
-        self.metrics.watch_engine(
-            card.model_name,
-            tuple(m for m in card.available_methods if m != "none"),
-            lambda: backend.queue_depth,
-            backend.fallback_state,
-            # Backends that batch with adaptive speculation report where it stops paying.
-            getattr(backend, "speculation_crossover", None),
-        )
+    def watch_backends(self, backends: Sequence[GenerationBackend]) -> None:
+        """Expose each backend's fallback state, and the requests all of them queue, as gauges
+        read at scrape time."""
+
+        def queue_depth() -> int:
+            return sum(backend.queue_depth for backend in backends)
+
+        for backend in backends:
+            card = backend.card
+            self.metrics.watch_engine(
+                card.model_name,
+                tuple(m for m in card.available_methods if m != "none"),
+                queue_depth,
+                backend.fallback_state,
+                # Backends that batch with adaptive speculation report where it stops paying.
+                getattr(backend, "speculation_crossover", None),
+            )
 
     def fallback_listener(
         self, then: Callable[[FallbackEvent], None]
@@ -187,10 +193,12 @@ class Telemetry:
         return listen
 
     def replica_listener(self, then: Callable[[Any], None]) -> Callable[[Any], None]:
-        """A remote backend's replica listener: counted in the metrics, then ``then``."""
+        """A remote backend's replica listener: changes of rotation (`backend_replica`) counted
+        in the metrics, then every event to ``then``."""
 
         def listen(event: Any) -> None:
-            self.metrics.observe_replica(event.url, event.pool, event.action)
+            if event.kind == "backend_replica":
+                self.metrics.observe_replica(event.url, event.pool, event.action)
             then(event)
 
         return listen

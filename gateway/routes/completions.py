@@ -60,8 +60,8 @@ async def chat_completions(
             ChatCompletion(
                 id=job.response_id,
                 created=job.created,
-                model=services.backend.card.model_name,
-                system_fingerprint=system_fingerprint(services.backend.card),
+                model=generation.backend.card.model_name,
+                system_fingerprint=system_fingerprint(generation.backend.card),
                 choices=[_chat_choice(generation, i, r) for i, r in enumerate(results)],
                 usage=Usage(**generation.usage()),
                 speculative=generation.speculative(),
@@ -86,8 +86,8 @@ async def completions(
             Completion(
                 id=job.response_id,
                 created=job.created,
-                model=services.backend.card.model_name,
-                system_fingerprint=system_fingerprint(services.backend.card),
+                model=generation.backend.card.model_name,
+                system_fingerprint=system_fingerprint(generation.backend.card),
                 choices=[
                     CompletionChoice(
                         index=i,

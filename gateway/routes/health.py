@@ -63,20 +63,31 @@ async def _audit_checks(services: Services | None) -> tuple[bool, bool]:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
+    """Ready while every served model's backend is (``models``: each one's readiness): a
+    gateway that cannot serve one of its models is taken out of rotation, so that requests
+    for it go to an instance that can."""
     services: Services | None = request.app.state.services
     reachable, integrity = await _audit_checks(services)
+    models = (
+        {model.name: model.backend.health().ready for model in services.models} if services else {}
+    )
     checks = {
-        "engine": services is not None
-        and not services.lifecycle.stopping
-        and services.backend.health().ready,
+        "engine": services is not None and not services.lifecycle.stopping and all(models.values()),
         "audit_store": reachable,
         "audit_integrity": integrity,
     }
-    notes = serving_notes(services.settings, services.backend.card) if services else []
+    notes = (
+        [
+            note
+            for model in services.models
+            for note in serving_notes(model.settings, model.backend.card)
+        ]
+        if services
+        else []
+    )
+    details = {"checks": checks, "models": models, "notes": notes}
     if all(checks.values()):
-        return JSONResponse({"status": "ready", "checks": checks, "notes": notes})
+        return JSONResponse({"status": "ready", **details})
     failing = ", ".join(name for name, ok in checks.items() if not ok)
     body = error_body(f"Not ready: {failing} unavailable.", "service_unavailable", code="not_ready")
-    return JSONResponse(
-        {**body, "status": "not_ready", "checks": checks, "notes": notes}, status_code=503
-    )
+    return JSONResponse({**body, "status": "not_ready", **details}, status_code=503)

@@ -42,7 +42,11 @@ async def replay_request(
     requests only) under another speculation method."""
     try:
         recorded = await run_in_threadpool(find_recorded, services.audit, services.db, event_id)
-        report = await replay(services.backend, services.privacy, recorded, method)
+        # On the model the request was served by; where it is no longer served, on the first
+        # (the report then lists how the loaded model differs from the recorded one).
+        model = services.models.find(str(recorded.request.payload.get("model")))
+        backend = (model or services.models.first).backend
+        report = await replay(backend, services.privacy, recorded, method)
     except ReplayRefusedError as error:
         raise APIError(error.status, str(error), code="replay_refused") from None
     await services.offload.db(

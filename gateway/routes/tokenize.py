@@ -23,8 +23,9 @@ router = APIRouter(tags=["tokenize"], route_class=CheckedBodyRoute)
 async def tokenize_prompt(
     body: TokenizeRequest, principal: AppPrincipal, services: ServicesDep
 ) -> TokenizeResponse:
+    backend = services.models.resolve(body.model).backend
     return await services.offload.prepare(
-        tokenize, body, services.backend, services.settings.max_prompt_bytes
+        tokenize, body, backend, services.settings.max_prompt_bytes
     )
 
 
@@ -32,4 +33,5 @@ async def tokenize_prompt(
 async def detokenize_tokens(
     body: DetokenizeRequest, principal: AppPrincipal, services: ServicesDep
 ) -> DetokenizeResponse:
-    return await services.offload.prepare(detokenize, body, services.backend)
+    backend = services.models.resolve(body.model).backend
+    return await services.offload.prepare(detokenize, body, backend)
