@@ -213,6 +213,23 @@ def test_ready_only_while_every_model_is(
     assert not_ready.json()["models"] == {"chat": True, "code": False}
 
 
+@pytest.mark.parametrize("requested", ["chat", "fast"])
+def test_a_replay_runs_on_the_model_that_served_the_request(
+    gateway: LiveGateway, requested: str
+) -> None:
+    body = {"model": requested, "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0}
+    reply = post(gateway, "/v1/completions", {**body, "store_content": True})
+    assert reply.status_code == 200, reply.text
+    replayed = httpx.post(
+        f"{gateway.base_url}/v1/audit/replay/{reply.headers['x-specgate-audit-id']}",
+        headers={"authorization": f"Bearer {gateway.keys['auditor']}"},
+        timeout=120,
+    )
+    assert replayed.status_code == 200, replayed.text
+    report = replayed.json()
+    assert (report["differences"], report["replayed"], report["match"]) == ([], True, True)
+
+
 def test_metrics_carry_each_models_fallback_state_and_one_queue(gateway: LiveGateway) -> None:
     metrics = httpx.get(gateway.base_url + "/metrics", timeout=30).text
     assert 'specgate_speculation_disabled{method="draft",model="chat"} 0.0' in metrics
