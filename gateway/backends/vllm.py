@@ -54,14 +54,24 @@ from engine.types import (
 )
 from engine.versioning import read_manifest
 from gateway.backends.base import BackendCard, BackendHealth
-from gateway.backends.vllm_acceptance import IntervalAttribution, SpecFigures
+from gateway.backends.vllm_acceptance import IntervalAttribution, SpecFigures, per_position
+from gateway.backends.vllm_chat import template_renders_tools, tokenize_chat_body
+from gateway.backends.vllm_replica_check import (
+    CheckHistory,
+    Expected,
+    ReplicaCheck,
+    read_metrics,
+    read_served,
+)
 from gateway.backends.vllm_replicas import Pool, Replica, ReplicaEvent, Replicas
 from gateway.backends.vllm_tokenizer import LocalTokenizer, disagreement
 from gateway.backends.vllm_wire import (
     WireError,
+    accepted_per_position,
     completion_body,
     parse_event,
     spec_counters,
+    trace_headers,
 )
 from gateway.settings import ConfigError, Settings
 
@@ -71,7 +81,8 @@ T = TypeVar("T")
 # vocab_size for the card when no model_dir names the config: vLLM checks prompt ids itself.
 _UNKNOWN_VOCAB = 2**31 - 1
 
-ReplicaListener = Callable[[ReplicaEvent], None]
+ReplicaNews = ReplicaEvent | ReplicaCheck
+ReplicaListener = Callable[[ReplicaNews], None]
 
 
 def specgate_method(vllm_config: dict[str, Any]) -> Method:
@@ -168,12 +179,21 @@ class VllmBackend:
         )
         timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
         self._sync = httpx.Client(timeout=timeout)
-        self._pending_events: list[ReplicaEvent] = []
+        self._pending_events: list[ReplicaNews] = []
         self._replica_listener: ReplicaListener | None = None
         self._events_lock = threading.Lock()
         self._vllm_name, max_context = self._discover(settings)
+        self._checks = CheckHistory()
+        # Per replica URL: its start time (from /metrics) and the /v1/models and /version
+        # bodies read since it started.
+        self._identities: dict[str, tuple[str | None, Any, Any]] = {}
         self._card = self._make_card(settings, max_context)
         self._tokenizer = self._checked_tokenizer(settings)
+        self._renders_tools: bool | None = None
+        try:
+            self._template_renders_tools()
+        except EngineError as error:
+            log.warning("vllm_template_probe_deferred", reason=str(error))
         method = self._card.default_method
         self._spec_method: Method | None = method if method != "none" else None
         thresholds: dict[Method, float | None] = {}
@@ -290,6 +310,9 @@ class VllmBackend:
         return httpx.AsyncClient(timeout=timeout, limits=limits)
 
     async def _start_watchers(self) -> list[asyncio.Task[None]]:
+        """Admission (each replica's health and configuration checked once), then the
+        watchers."""
+        await asyncio.gather(*(self._check(replica) for replica in self._replicas.all))
         tasks = [asyncio.create_task(self._watch_health(r)) for r in self._replicas.all]
         tasks += [
             asyncio.create_task(self._scrape_counters(r))
@@ -313,10 +336,10 @@ class VllmBackend:
         """(url, pool, in rotation, requests in flight) per replica, for the metrics."""
         return [(r.url, r.pool, r.healthy, r.outstanding) for r in self._replicas.all]
 
-    def _emit(self, event: ReplicaEvent | None) -> None:
+    def _emit(self, event: ReplicaNews | None) -> None:
         if event is None:
             return
-        log.warning("vllm_replica", **event.as_dict())
+        log.warning(event.kind, **event.as_dict())
         with self._events_lock:
             listener = self._replica_listener
             if listener is None:
@@ -330,17 +353,53 @@ class VllmBackend:
             await asyncio.sleep(
                 config.health_interval_s if replica.healthy else config.retry_interval_s
             )
-            try:
-                response = await self._client.get(
-                    f"{replica.url}/health", timeout=config.connect_timeout_s
+            await self._check(replica)
+
+    async def _check(self, replica: Replica) -> None:
+        """Health, then configuration: in rotation only a replica that answers both."""
+        try:
+            response = await self._client.get(
+                f"{replica.url}/health", timeout=self._config.connect_timeout_s
+            )
+            problem = None if response.status_code == 200 else f"HTTP {response.status_code}"
+        except httpx.HTTPError as error:
+            problem = f"health check failed: {type(error).__name__}: {error}"
+        if problem is None:
+            problem = await self._configuration_problem(replica)
+        if problem is None:
+            self._emit(replica.put_back())
+        else:
+            self._emit(replica.take_out(problem))
+
+    async def _configuration_problem(self, replica: Replica) -> str | None:
+        """What the replica serves, from vLLM's own endpoints, against its pool's
+        configuration (``gateway.backends.vllm_replica_check``): ``/metrics`` on every
+        health check (a restart can come and go between two, or a Service switch pods),
+        ``/v1/models`` and ``/version`` at admission and when ``/metrics`` shows a restart."""
+        timeout = self._config.connect_timeout_s
+        try:
+            page = await self._client.get(f"{replica.url}/metrics", timeout=timeout)
+            page.raise_for_status()
+            metrics = read_metrics(page.text)
+            identity = self._identities.get(replica.url)
+            if identity is None or metrics.started is None or identity[0] != metrics.started:
+                models, version = await asyncio.gather(
+                    self._client.get(f"{replica.url}/v1/models", timeout=timeout),
+                    self._client.get(f"{replica.url}/version", timeout=timeout),
                 )
-                problem = None if response.status_code == 200 else f"HTTP {response.status_code}"
-            except httpx.HTTPError as error:
-                problem = f"health check failed: {type(error).__name__}: {error}"
-            if problem is None:
-                self._emit(replica.put_back())
-            else:
-                self._emit(replica.take_out(problem))
+                models.raise_for_status()
+                answered = version.json() if version.status_code == 200 else None
+                identity = (metrics.started, models.json(), answered)
+                self._identities[replica.url] = identity
+            served = read_served(identity[1], identity[2], metrics)
+        except (httpx.HTTPError, ValueError) as error:
+            return f"configuration check failed: {type(error).__name__}: {error}"
+        expected = Expected.for_replica(
+            self._vllm_name, self._card.max_context, replica.pool, replica.speculative_config
+        )
+        found, news = self._checks.judge(replica.url, replica.pool, expected, served)
+        self._emit(news)
+        return f"serves another configuration: {'; '.join(found)}" if found else None
 
     async def _scrape_counters(self, replica: Replica) -> None:
         attribution = self._attribution[id(replica)]
@@ -352,10 +411,11 @@ class VllmBackend:
                         f"{replica.url}/metrics", timeout=self._config.connect_timeout_s
                     )
                     response.raise_for_status()
-                    counters: dict[str, float] | None = spec_counters(response.text)
+                    attribution.settle(
+                        spec_counters(response.text), accepted_per_position(response.text)
+                    )
                 except httpx.HTTPError:
-                    counters = None
-                attribution.settle(counters)
+                    attribution.settle(None)
                 first = False
             await asyncio.sleep(self._config.metrics_interval_s)
 
@@ -370,7 +430,7 @@ class VllmBackend:
         if replica is None:
             raise BackendUnavailableError("no vLLM replica is up to tokenize the prompt")
         try:
-            response = self._sync.post(f"{replica.url}{path}", json=body)
+            response = self._sync.post(f"{replica.url}{path}", json=body, headers=trace_headers())
         except httpx.HTTPError as error:
             reason = f"{path} failed: {type(error).__name__}: {error}"
             # Replica state changes on the backend's loop only.
@@ -393,20 +453,22 @@ class VllmBackend:
         tools: Sequence[Mapping[str, Any]] | None = None,
         options: TemplateOptions = DEFAULT_TEMPLATE,
     ) -> tuple[str, tuple[int, ...]]:
-        body: dict[str, Any] = {
-            "model": self._vllm_name,
-            "messages": list(messages),
-            "add_generation_prompt": options.add_generation_prompt,
-            "continue_final_message": options.continue_final_message,
-        }
-        if options.kwargs:
-            body["chat_template_kwargs"] = dict(options.kwargs)
-        if tools:
-            body["tools"] = list(tools)
-        tokens = tuple(int(t) for t in self._post_sync("/tokenize", body)["tokens"])
+        body = tokenize_chat_body(messages, tools, options, self._template_renders_tools())
+        tokens = self._tokenize_chat(body)
         if self._tokenizer is not None:
             return self._tokenizer.decode(tokens), tokens
         return self._server_detokenize(tokens), tokens
+
+    def _tokenize_chat(self, body: dict[str, Any]) -> tuple[int, ...]:
+        reply = self._post_sync("/tokenize", {"model": self._vllm_name, **body})
+        return tuple(int(t) for t in reply["tokens"])
+
+    def _template_renders_tools(self) -> bool:
+        """Whether the servers' chat template renders tools (``gateway.backends.vllm_chat``),
+        asked once: at start-up, or at the first chat if no server answered then."""
+        if self._renders_tools is None:
+            self._renders_tools = template_renders_tools(self._tokenize_chat)
+        return self._renders_tools
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         if self._tokenizer is not None:
@@ -445,8 +507,10 @@ class VllmBackend:
                 future.cancel()
 
         handle = DeltaChannel(keep_logprobs=request.sampling.logprobs is not None, on_cancel=cancel)
+        # Taken here: the backend's loop thread does not run in the caller's trace context.
+        headers = trace_headers()
         holder["future"] = asyncio.run_coroutine_threadsafe(
-            self._generate(handle, request, pool, fallback), self._loop
+            self._generate(handle, request, pool, fallback, headers), self._loop
         )
         return handle
 
@@ -474,7 +538,12 @@ class VllmBackend:
         return "speculative", False
 
     async def _generate(
-        self, handle: DeltaChannel, request: GenerationRequest, pool: Pool, fallback: bool
+        self,
+        handle: DeltaChannel,
+        request: GenerationRequest,
+        pool: Pool,
+        fallback: bool,
+        headers: dict[str, str],
     ) -> None:
         tried: list[Replica] = []
         while True:
@@ -489,7 +558,7 @@ class VllmBackend:
                 return
             replica.outstanding += 1
             try:
-                await self._stream(handle, request, replica, fallback)
+                await self._stream(handle, request, replica, fallback, headers)
                 return
             except (httpx.TransportError, _StatusError) as error:
                 if isinstance(error, _StatusError) and error.status < 500:
@@ -516,9 +585,11 @@ class VllmBackend:
         request: GenerationRequest,
         replica: Replica,
         fallback: bool,
+        headers: dict[str, str],
     ) -> None:
-        """Forward one generation; raises a transport or status error only before the first
-        piece (the caller may retry elsewhere), ``_MidStreamError`` after it."""
+        """Forward one generation (``headers``: the caller's trace context); raises a
+        transport or status error only before the first piece (the caller may retry
+        elsewhere), ``_MidStreamError`` after it."""
         started = time.perf_counter()
         first_token_at: float | None = None
         output_tokens = 0
@@ -526,7 +597,7 @@ class VllmBackend:
         per_request: dict[str, Any] | None = None
         body = completion_body(self._vllm_name, request)
         async with self._client.stream(
-            "POST", f"{replica.url}/v1/completions", json=body
+            "POST", f"{replica.url}/v1/completions", json=body, headers=headers
         ) as response:
             if response.status_code != 200:
                 await response.aread()
@@ -583,6 +654,7 @@ class VllmBackend:
                 int(per_request.get("num_spec_steps", 0)),
                 int(per_request.get("num_draft_tokens", 0)),
                 int(per_request.get("num_accepted_draft_tokens", 0)),
+                per_position([int(n) for n in per_request.get("acceptance_histogram") or ()]),
             )
         else:
             figures = await self._attribution[id(replica)].wait(output_tokens)
@@ -591,6 +663,7 @@ class VllmBackend:
         stats.num_drafts = figures.num_drafts
         stats.num_draft_tokens = figures.num_draft_tokens
         stats.num_accepted_tokens = figures.num_accepted_tokens
+        stats.num_accepted_tokens_per_pos = list(figures.num_accepted_tokens_per_pos)
         # One target pass verifies each draft; the other tokens came from plain passes.
         stats.num_target_passes = figures.num_drafts + max(
             0, output_tokens - figures.num_drafts - figures.num_accepted_tokens

@@ -12,7 +12,7 @@ import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 Pool = Literal["speculative", "plain"]
 
@@ -20,6 +20,8 @@ Pool = Literal["speculative", "plain"]
 @dataclass(frozen=True)
 class ReplicaEvent:
     """A replica was taken out of routing (``removed``) or put back (``restored``)."""
+
+    kind: ClassVar[str] = "backend_replica"
 
     url: str
     pool: Pool

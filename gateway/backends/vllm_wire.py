@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry import propagate
+
 from engine.types import (
     Constraint,
     FinishReason,
@@ -34,7 +36,18 @@ SPEC_COUNTERS = (
     "vllm:spec_decode_num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens",
 )
+ACCEPTED_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfINFaN]+)")
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+def trace_headers() -> dict[str, str]:
+    """The current OpenTelemetry context as W3C trace-context headers (``traceparent``,
+    ``tracestate``), so that a trace continues into vLLM (its ``--otlp-traces-endpoint``);
+    empty when nothing is traced."""
+    headers: dict[str, str] = {}
+    propagate.inject(headers)
+    return headers
 
 
 def completion_body(model: str, request: GenerationRequest) -> dict[str, Any]:
@@ -201,3 +214,19 @@ def spec_counters(exposition: str) -> dict[str, float]:
         if name in SPEC_COUNTERS:
             totals[name] = totals.get(name, 0.0) + float(match.group(3))
     return totals
+
+
+def accepted_per_position(exposition: str) -> list[float]:
+    """``vllm:spec_decode_num_accepted_tokens_per_pos`` of a ``/metrics`` page by position
+    (entry i: steps that accepted a token at draft position i), summed over the other labels;
+    empty on a server without speculation."""
+    counts: dict[int, float] = {}
+    for line in exposition.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or match.group(1).removesuffix("_total") != ACCEPTED_PER_POSITION:
+            continue
+        position = _POSITION.search(match.group(2) or "")
+        if position is not None:
+            index = int(position.group(1))
+            counts[index] = counts.get(index, 0.0) + float(match.group(3))
+    return [counts.get(i, 0.0) for i in range(max(counts) + 1)] if counts else []
