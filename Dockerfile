@@ -50,7 +50,7 @@ COPY bench ./bench
 # FMA), into the installed package (-P: the installed copy, not /src's, is the one built).
 RUN pip install --no-cache-dir . \
     && pip check \
-    && python -P -m engine.kernels.build
+    && python -P -m engine.kernels.build --portable
 
 FROM ${BASE_IMAGE} AS runtime
 

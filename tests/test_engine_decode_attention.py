@@ -12,6 +12,7 @@ compiler the library is not built and the engine runs SDPA.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -174,39 +175,50 @@ def test_layouts_the_kernel_does_not_take_are_left_to_sdpa() -> None:
         assert decode_attention.attend(query, keys, keys, None, spans, 1.0) is None
 
 
-def test_without_a_compiler_nothing_is_built(
+def test_a_build_is_loaded_only_where_current_and_runnable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("SPECGATE_KERNEL_DIR", str(tmp_path))
+    """The library is built once, at install time; loading never compiles. A missing, stale
+    or foreign build gives no library and says why (the callers then fall back)."""
+    assert "not built" in (build.load("decode_attention.c", tmp_path).detail)
+    (library, *_) = [
+        path for path in build.build(directory=tmp_path) if path.name.startswith("decode_att")
+    ]
+    monkeypatch.setenv("CC", "false")  # loading must not need a compiler, or call one
+    built = build.load("decode_attention.c", tmp_path)
+    assert built.library is not None and "native" in built.detail
+    manifest = json.loads(library.with_suffix(".json").read_text())
+    stale = {**manifest, "source_sha256": "0" * 64}
+    library.with_suffix(".json").write_text(json.dumps(stale))
+    assert "another decode_attention.c" in build.load("decode_attention.c", tmp_path).detail
+    foreign = {**manifest, "cpu_features": [*manifest["cpu_features"], "avx1024"]}
+    library.with_suffix(".json").write_text(json.dumps(foreign))
+    assert "avx1024" in build.load("decode_attention.c", tmp_path).detail
+
+
+def test_a_failing_or_missing_compiler_builds_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("CC", "")
-    built = build.load("decode_attention.c")
-    assert built.library is None and "no C compiler" in built.detail
+    with pytest.raises(SystemExit, match="no C compiler"):
+        build.build(directory=tmp_path)
     monkeypatch.setenv("CC", "false")  # a compiler that fails
-    built = build.load("decode_attention.c")
-    assert built.library is None and "failed" in built.detail
-    assert not list(tmp_path.iterdir())  # no partial library left behind
-    monkeypatch.delenv("CC")
-    built = build.load("decode_attention.c")
-    assert built.library is not None and (tmp_path / built.detail.split()[0]).exists()
+    with pytest.raises(SystemExit, match="failed"):
+        build.build(directory=tmp_path)
+    assert not [path for path in tmp_path.iterdir() if path.suffix == ".so"]  # no partial file
 
 
-def test_without_a_compiler_the_images_portable_build_is_loaded(
+def test_the_images_portable_build_needs_only_its_targets_features(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(build, "PREBUILT_DIR", tmp_path / "prebuilt")
-    monkeypatch.setenv("SPECGATE_KERNEL_DIR", str(tmp_path / "cache"))
-    (path,) = [path for path in build.prebuild() if path.name.startswith("decode_attention")]
-    monkeypatch.setenv("CC", "")
-    built = build.load("decode_attention.c")
-    assert built.library is not None and "prebuilt" in built.detail
-    assert not (tmp_path / "cache").exists()
-    machine = build.platform.machine()
-    needs = build.PORTABLE[machine][1]
+    build.build(portable=True, directory=tmp_path)
+    built = build.load("decode_attention.c", tmp_path)
+    assert built.library is not None
+    needs = build.PORTABLE[build.platform.machine()][1]
     if needs:  # a CPU without what the portable build needs does not load it
-        monkeypatch.setattr(build, "_cpu_identity", lambda: "flags : fpu sse2")
-        built = build.load("decode_attention.c")
+        monkeypatch.setattr(build, "cpu_features", lambda: frozenset({"fpu", "sse2"}))
+        built = build.load("decode_attention.c", tmp_path)
         assert built.library is None and needs[0] in built.detail
-    assert path.exists()
 
 
 @pytest.fixture(scope="module")

@@ -1,21 +1,23 @@
-"""Compile a C source of this package once per machine into a shared library and load it.
+"""The engine's CPU kernels as a build artefact: each C source of this package is compiled at
+install time into ``engine/kernels/built``, never at run time.
 
-With a C compiler, the library is built with ``-O3 -march=native`` (the kernels are written
-for the compiler to vectorise for the CPU it runs on) into ``SPECGATE_KERNEL_DIR`` (default
-``~/.cache/specgate/kernels``), named by a hash of the source, the compiler's version, the
-flags and the CPU's model and feature flags, so a changed source, compiler or CPU builds anew
-and concurrent processes share one build (written to a temporary name, then renamed).
+    python -m engine.kernels.build              # this machine's CPU (-march=native): make install
+    python -m engine.kernels.build --portable   # x86-64-v3 (AVX2, FMA) or armv8-a: the image
 
-Without one (the container's runtime stage has no build tools), a portable build made at
-image build time (``python -m engine.kernels.build``: x86-64-v3, i.e. AVX2 and FMA, on x86)
-is loaded from ``engine/kernels/prebuilt`` where the CPU has what it was built for. Otherwise,
-or when a build or load fails, ``load`` gives ``None`` and the reason; callers fall back.
+Beside each library a manifest (``<stem>.json``) records the source's sha256, the compiler and
+its flags, and the CPU features the library needs: for a native build every feature of the CPU
+that built it, for a portable one its target's. ``load`` takes a library only where the
+manifest matches the source as it is now and this CPU has every feature the library needs;
+otherwise it gives no library and the reason, and the callers fall back to PyTorch's SDPA and
+oneDNN's products (the startup event names which ran and why).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -25,10 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-fno-math-errno")
-FLAGS = (*COMMON_FLAGS, "-march=native")
 SOURCE_DIR = Path(__file__).resolve().parent
-PREBUILT_DIR = SOURCE_DIR / "prebuilt"
-# Per machine: the portable build's target, and the CPU flags (/proc/cpuinfo) it needs.
+BUILT_DIR = SOURCE_DIR / "built"
+# Per machine: the portable build's target, and the CPU features (/proc/cpuinfo) it needs.
 PORTABLE: dict[str, tuple[str, tuple[str, ...]]] = {
     "x86_64": ("-march=x86-64-v3", ("avx", "avx2", "fma", "bmi2", "f16c")),
     "aarch64": ("-march=armv8-a", ()),
@@ -43,13 +44,6 @@ class Built:
     detail: str
 
 
-def kernel_dir() -> Path:
-    configured = os.environ.get("SPECGATE_KERNEL_DIR")
-    if configured:
-        return Path(configured)
-    return Path.home() / ".cache" / "specgate" / "kernels"
-
-
 def compiler() -> str | None:
     """The C compiler: ``CC`` if set (an empty ``CC`` means none), else ``cc`` or ``gcc``."""
     if "CC" in os.environ:
@@ -57,14 +51,25 @@ def compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def _cpu_identity() -> str:
+def cpu_features() -> frozenset[str]:
+    """This CPU's feature flags (x86 ``flags``, Arm ``Features``); empty where unknown."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return platform.processor() or platform.machine()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    seen = {line.split(":")[0].strip(): line for line in lines if ":" in line}
-    return "\n".join(seen[key] for key in wanted if key in seen) or platform.machine()
+        return frozenset()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def source_digest(source: Path) -> str:
+    return hashlib.sha256(source.read_bytes()).hexdigest()
+
+
+def library_path(source_name: str, directory: Path | None = None) -> Path:
+    return (directory or BUILT_DIR) / f"{Path(source_name).stem}.so"
 
 
 def _version(cc: str) -> str:
@@ -88,46 +93,58 @@ def _compile(cc: str, flags: tuple[str, ...], source: Path, target: Path) -> str
     return None
 
 
-def prebuilt_path(source_name: str) -> Path:
-    return PREBUILT_DIR / f"{Path(source_name).stem}-{platform.machine()}.so"
-
-
-def _load_prebuilt(source_name: str, why: str) -> Built:
-    """The image's portable build where this CPU runs it; else None with ``why``."""
-    path = prebuilt_path(source_name)
-    portable = PORTABLE.get(platform.machine())
-    if not path.exists() or portable is None:
-        return Built(None, why)
-    flags = _cpu_identity().split()
-    missing = [flag for flag in portable[1] if flag not in flags]
-    if missing:
-        return Built(None, f"{why}; the prebuilt {path.name} needs {', '.join(missing)}")
-    try:
-        return Built(ctypes.CDLL(str(path)), f"{path.name} (prebuilt, {portable[0]})")
-    except OSError as error:
-        return Built(None, f"{why}; could not load {path.name}: {error}")
-
-
-def load(source_name: str) -> Built:
-    """The library compiled from ``engine/kernels/<source_name>``, built if not cached."""
+def build(portable: bool = False, directory: Path | None = None) -> list[Path]:
+    """Compile every kernel source into ``directory`` (default ``BUILT_DIR``) with its
+    manifest; raises ``SystemExit`` with the reason where it cannot."""
     cc = compiler()
     if cc is None:
-        return _load_prebuilt(source_name, "no C compiler (cc/gcc, or CC) found")
-    source = SOURCE_DIR / source_name
+        raise SystemExit("no C compiler (cc/gcc, or CC) found")
+    if portable:
+        target = PORTABLE.get(platform.machine())
+        if target is None:
+            raise SystemExit(f"no portable target for {platform.machine()}")
+        march, needs = target[0], sorted(target[1])
+    else:
+        march, needs = "-march=native", sorted(cpu_features())
+    flags = (*COMMON_FLAGS, march)
+    built = []
+    for source in sorted(SOURCE_DIR.glob("*.c")):
+        library = library_path(source.name, directory)
+        failure = _compile(cc, flags, source, library)
+        if failure is not None:
+            raise SystemExit(failure)
+        manifest = {
+            "source_sha256": source_digest(source),
+            "compiler": _version(cc),
+            "flags": list(flags),
+            "cpu_features": needs,
+        }
+        library.with_suffix(".json").write_text(json.dumps(manifest, indent=1) + "\n")
+        built.append(library)
+    return built
+
+
+def load(source_name: str, directory: Path | None = None) -> Built:
+    """The installed library built from ``engine/kernels/<source_name>``, where it is current
+    and this CPU runs it."""
+    library = library_path(source_name, directory)
+    hint = "run `python -m engine.kernels.build` (make install does)"
     try:
-        text = source.read_bytes()
-        key = hashlib.sha256(
-            b"\0".join([text, _version(cc).encode(), " ".join(FLAGS).encode(),
-                        _cpu_identity().encode()])
-        ).hexdigest()[:20]
-        target = kernel_dir() / f"{source.stem}-{key}.so"
-        if not target.exists():
-            failure = _compile(cc, FLAGS, source, target)
-            if failure is not None:
-                return _load_prebuilt(source_name, failure)
-        return Built(ctypes.CDLL(str(target)), f"{target.name} ({cc})")
-    except (OSError, subprocess.SubprocessError) as error:
-        return _load_prebuilt(source_name, f"could not build {source_name}: {error}")
+        manifest = json.loads(library.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return Built(None, f"{library.name} is not built; {hint}")
+    if manifest.get("source_sha256") != source_digest(SOURCE_DIR / source_name):
+        return Built(None, f"{library.name} was built from another {source_name}; {hint}")
+    missing = sorted(set(manifest.get("cpu_features", ())) - cpu_features())
+    if missing:
+        lacking = ", ".join(missing[:8])
+        return Built(None, f"{library.name} needs CPU features this CPU lacks: {lacking}")
+    try:
+        loaded = ctypes.CDLL(str(library))
+    except OSError as error:
+        return Built(None, f"could not load {library.name}: {error}")
+    march = next((flag for flag in manifest.get("flags", ()) if flag.startswith("-march")), "")
+    return Built(loaded, f"{library.name} ({march.removeprefix('-march=')})")
 
 
 def load_function(
@@ -150,22 +167,15 @@ def load_function(
     return built
 
 
-def prebuild() -> list[Path]:
-    """The portable build of every kernel source, into ``PREBUILT_DIR`` (image build time)."""
-    cc = compiler()
-    portable = PORTABLE.get(platform.machine())
-    if cc is None or portable is None:
-        raise SystemExit(f"no compiler or no portable target for {platform.machine()}")
-    built = []
-    for source in sorted(SOURCE_DIR.glob("*.c")):
-        target = prebuilt_path(source.name)
-        failure = _compile(cc, (*COMMON_FLAGS, portable[0]), source, target)
-        if failure is not None:
-            raise SystemExit(failure)
-        built.append(target)
-    return built
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Build the engine's CPU kernels.")
+    parser.add_argument(
+        "--portable", action="store_true", help="for any CPU of the machine's family (images)"
+    )
+    args = parser.parse_args()
+    for path in build(portable=args.portable):
+        print(path)
 
 
 if __name__ == "__main__":
-    for path in prebuild():
-        print(path)
+    main()
