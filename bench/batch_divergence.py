@@ -8,8 +8,8 @@ Decodes every built-in chat prompt (``--copies`` times over, so the batch is wid
 mix) plain and greedy, first one at a time, then all at once in one batch, through the
 engine. Where a request's two outputs differ, the first differing position is reported with
 the target's top-two logit gap there as plain decoding computes it, against the widest gap
-the dtype's rounding can invert (``engine.divergence.rounding_bound``): a gap within it is a
-floating-point near-tie (batched kernels reduce in another order), a wider one a bug.
+the dtype's rounding can invert (``engine.speculation.divergence.rounding_bound``): a gap within it
+is a floating-point near-tie (batched kernels reduce in another order), a wider one a bug.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from bench.concurrency import chat_mix
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig
-from engine.demo.paths import default_demo_dir
-from engine.divergence import first_difference, plain_step_logits, rounding_bound
-from engine.service import Engine
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.serving.service import Engine
+from engine.speculation.divergence import first_difference, plain_step_logits, rounding_bound
+from engine.training.demo.paths import default_demo_dir
 
 
 def main() -> None:

@@ -6,7 +6,7 @@
 
 One slot of a ``BatchedRunner`` prefills a ``--long-tokens`` prompt, the other ``--slots - 1``
 prompts of ``--short-tokens``; each slot is reserved what the scheduler reserves for its
-request (``engine.scheduler.reservation``: prompt + ``--max-tokens`` + one step's rows). The
+request (``engine.serving.scheduler.reservation``: prompt + ``--max-tokens`` + one step's rows). The
 report gives the cache's allocated positions and MiB (keys and values, every layer), what
 the short slots hold, and the fastest of a few plain decode passes over every slot and over
 the short slots only (noise on shared cores only ever adds time).
@@ -20,10 +20,10 @@ import os
 import time
 from pathlib import Path
 
-from engine.batched_runner import BatchedRunner, Feed
-from engine.demo.paths import default_demo_dir
-from engine.loading import load_model, pick_device
-from engine.scheduler import reservation
+from engine.models.batched_runner import BatchedRunner, Feed
+from engine.models.loading import load_model, pick_device
+from engine.serving.scheduler import reservation
+from engine.training.demo.paths import default_demo_dir
 
 REPEATS = 5
 CHUNK = 128

@@ -6,18 +6,19 @@ implies.
                                      [--json FILE] [--compare-lean STEPS]
                                      [--compare-attention STEPS] [--micro-contexts 200,400,800]
 
-The target is loaded as the engine serves it (``engine.loading.load_model``, then
-``engine.packed_linear.pack_linear_weights``). Every slot of a ``BatchedRunner`` holds
+The target is loaded as the engine serves it (``engine.models.loading.load_model``, then
+``engine.models.packed_linear.pack_linear_weights``). Every slot of a ``BatchedRunner`` holds
 ``--context`` cached tokens; a pass feeds each of
 ``batch`` sequences ``width`` rows (its last token and ``width - 1`` proposal rows). The
 fastest of a few passes per point is kept (noise on shared cores only ever adds time). Those
 figures go into ``StepCosts`` as if the engine had measured them, and for each acceptance rate
 ``--alpha`` (a steady per-token rate) the report gives the proposal length a batch of such
 sequences chooses at each batch size and the crossover: the smallest batch size where it
-chooses plain steps (``engine.batch_speculation.crossover``, the figure ``/metrics`` exports).
+chooses plain steps (``engine.speculation.batch_speculation.crossover``, the figure ``/metrics``
+exports).
 
 ``--compare-lean STEPS`` instead times plain steps (one row per sequence, slot ``s`` holding
-``--context + 30 s`` cached tokens) of the engine's lean forward (``engine.lean_llama``) and
+``--context + 30 s`` cached tokens) of the engine's lean forward (``engine.models.lean_llama``) and
 of HF's modules over the same packed model, alternating pass by pass, STEPS of each per
 batch size: medians of wall and process CPU time, and whether their logits were equal.
 
@@ -44,14 +45,14 @@ from pathlib import Path
 
 import torch
 
-from engine.adaptive import Candidate, PassCosts, best_length
-from engine.attention import _attend_each_sequence
-from engine.batch_speculation import StepCosts
-from engine.batched_runner import BatchedRunner, Feed
-from engine.demo.paths import default_demo_dir
 from engine.kernels import decode_attention
-from engine.loading import load_model, pick_device
-from engine.packed_linear import pack_linear_weights
+from engine.models.attention import _attend_each_sequence
+from engine.models.batched_runner import BatchedRunner, Feed
+from engine.models.loading import load_model, pick_device
+from engine.models.packed_linear import pack_linear_weights
+from engine.speculation.adaptive import Candidate, PassCosts, best_length
+from engine.speculation.batch_speculation import StepCosts
+from engine.training.demo.paths import default_demo_dir
 
 REPEATS = 5
 

@@ -45,7 +45,7 @@ def bench(
     from bench.report import summarise, write_outputs
     from bench.runner import BenchSetup, load_engines, run_bench
     from bench.workload import builtin_prompts, load_prompts
-    from engine.demo.paths import default_demo_dir
+    from engine.training.demo.paths import default_demo_dir
 
     if threads is not None:
         import torch

@@ -58,7 +58,7 @@ import httpx
 from bench.gateway_overhead import serving
 from bench.vllm_server import VllmServer, running
 from bench.workload import BUILTIN_DIR
-from engine.demo.paths import default_demo_dir
+from engine.training.demo.paths import default_demo_dir
 from gateway.settings import load_settings
 
 

@@ -21,8 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.workload import BenchPrompt
-from engine.service import Engine
-from engine.types import Constraint, GenerationRequest, Method, SamplingParams, SpeculativeChoice
+from engine.api.types import (
+    Constraint,
+    GenerationRequest,
+    Method,
+    SamplingParams,
+    SpeculativeChoice,
+)
+from engine.serving.service import Engine
 
 JSON_OBJECT = Constraint("json_object", "{}")
 
@@ -102,7 +108,7 @@ def measure(
 def main(argv: Sequence[str] | None = None) -> None:
     from bench.runner import BenchSetup, load_engine
     from bench.workload import builtin_prompts
-    from engine.demo.paths import default_demo_dir
+    from engine.training.demo.paths import default_demo_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, default=default_demo_dir() / "target")

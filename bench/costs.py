@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from engine.model_runner import ModelRunner
-from engine.packed_linear import pack_linear_weights
-from engine.proposers import Proposer
-from engine.types import SamplingParams
+from engine.api.types import SamplingParams
+from engine.models.model_runner import ModelRunner
+from engine.models.packed_linear import pack_linear_weights
+from engine.speculation.proposers import Proposer
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def measure_pass_costs(
     draft with 1 new token (the engine's draft proposes one token per pass), and a proposal
     of k tokens by each of ``proposers`` that drafts from the target's hidden states
     (``proposal_ms``). Timed on copies with their weights packed as the engine serves them
-    (``engine.packed_linear``); the models given stay as they are, for Hugging Face's side
+    (``engine.models.packed_linear``); the models given stay as they are, for Hugging Face's side
     of a benchmark."""
     target = _as_served(target)
     target_runner = ModelRunner(target)

@@ -1,5 +1,5 @@
 """The first divergence from plain decoding of every benchmarked output that differs, with
-the target's logit gap there (``engine.divergence``)."""
+the target's logit gap there (``engine.speculation.divergence``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 from bench.report import DivergenceTable, RunTable
 from bench.variants import Variant
 from bench.workload import BenchPrompt
-from engine.divergence import first_divergence, plain_step_logits
+from engine.speculation.divergence import first_divergence, plain_step_logits
 
 
 def find_divergences(

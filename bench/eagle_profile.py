@@ -4,13 +4,13 @@
                                   [--steps 5] [--topk 4] [--draft-tokens 16] [--threads N]
 
 Decodes the bench's first code and chat prompts greedily with the engine's own pieces (a
-``BatchedRunner`` slot, ``EagleProposer``, ``engine.step.run_step``) at a fixed k, and times
+``BatchedRunner`` slot, ``EagleProposer``, ``engine.serving.step.run_step``) at a fixed k, and times
 each piece of every step: the draft catching up on the accepted path's features, the draft's
 passes per tree level (the decoder layer, and its head), what the proposer does around them
 in Python (tree growing, masks, top-k), the target's tree pass, and verification with the
 KV compaction of the accepted path. Beside them it times what the cost model
-(``engine.adaptive.pass_cost_speedup``, the benchmark's theoretical speedup) charges: a chain
-pass of the target of 1 row and of the tree's rows, on the same context. Means per step over
+(``engine.speculation.adaptive.pass_cost_speedup``, the benchmark's theoretical speedup) charges: a
+chain pass of the target of 1 row and of the tree's rows, on the same context. Means per step over
 all steps; the tokens must equal plain decoding's (checked).
 """
 
@@ -30,18 +30,18 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the specgate command d
 import torch
 
 from bench.workload import builtin_prompts
-from engine.adaptive import PassCosts
-from engine.batched_runner import BatchedRunner, Feed
-from engine.demo.paths import default_demo_dir
-from engine.heads.eagle import EagleDraft
-from engine.heads.loading import load_heads_for
-from engine.loading import load_model, load_tokenizer, pick_device
-from engine.packed_linear import pack_linear_weights
-from engine.proposers.base import Proposal
-from engine.proposers.eagle import EagleProposer, EagleTree
-from engine.step import StepRow, run_step
-from engine.types import SamplingParams
-from engine.versioning import model_version
+from engine.api.types import SamplingParams
+from engine.models.batched_runner import BatchedRunner, Feed
+from engine.models.loading import load_model, load_tokenizer, pick_device
+from engine.models.packed_linear import pack_linear_weights
+from engine.models.versioning import model_version
+from engine.serving.step import StepRow, run_step
+from engine.speculation.adaptive import PassCosts
+from engine.speculation.proposers.base import Proposal
+from engine.speculation.proposers.eagle import EagleProposer, EagleTree
+from engine.training.demo.paths import default_demo_dir
+from engine.training.heads.eagle import EagleDraft
+from engine.training.heads.loading import load_heads_for
 
 
 class Timers:
@@ -158,7 +158,7 @@ def profile_tree(
     tokens: int, k: int, verbose: bool, costs: PassCosts | None = None,
 ) -> dict[str, float]:
     """One tree configuration over ``prompts``, plain decoding timed beside it per prompt;
-    with ``costs`` the tree's depth adapts (``engine.proposers.eagle.TreeDepth``)."""
+    with ``costs`` the tree's depth adapts (``engine.speculation.proposers.eagle.TreeDepth``)."""
     proposer = EagleProposer(draft, tree) if costs is None else EagleProposer(
         draft, tree, costs=costs
     )

@@ -63,8 +63,8 @@ from bench.request_timeline import (
     stamp_handle,
     stamped_app,
 )
-from engine.service import Engine
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.serving.service import Engine
 from gateway.app import create_app
 from gateway.audit.loop_append import LoopAppender
 from gateway.backends.local import LocalBackend

@@ -18,12 +18,16 @@ from pathlib import Path
 
 import torch
 
-from engine.heads.data import distillation_data
-from engine.heads.loading import medusa_for
-from engine.heads.train import HeadsSpec, demo_chats, medusa_rank_accuracy
-from engine.loading import load_model, load_tokenizer
-from engine.proposers.medusa import DEFAULT_MEDUSA_TREE, sparse_tree, tree_expected_tokens
-from engine.versioning import model_version
+from engine.models.loading import load_model, load_tokenizer
+from engine.models.versioning import model_version
+from engine.speculation.proposers.medusa import (
+    DEFAULT_MEDUSA_TREE,
+    sparse_tree,
+    tree_expected_tokens,
+)
+from engine.training.heads.data import distillation_data
+from engine.training.heads.loading import medusa_for
+from engine.training.heads.train import HeadsSpec, demo_chats, medusa_rank_accuracy
 
 
 def _quiet(_phase: str, _done: int, _total: int, _loss: float) -> None:

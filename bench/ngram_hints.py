@@ -1,5 +1,5 @@
 """How often n-gram lookup is right, by the length of its copy so far: the evidence behind
-``engine.adaptive.hint_bucket``.
+``engine.speculation.adaptive.hint_bucket``.
 
     python -m bench.ngram_hints [--target DIR] [--max-tokens 128] [--limit 8] [--json FILE]
 
@@ -25,10 +25,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.workload import BUILTIN_DIR, BUILTIN_SETS, load_prompts
-from engine.adaptive import hint_bucket
-from engine.demo.paths import default_demo_dir
-from engine.loading import load_tokenizer
-from engine.proposers.ngram import SuffixIndex, continuation
+from engine.models.loading import load_tokenizer
+from engine.speculation.adaptive import hint_bucket
+from engine.speculation.proposers.ngram import SuffixIndex, continuation
+from engine.training.demo.paths import default_demo_dir
 
 LOOKAHEAD = 16
 SHOWN = (1, 2, 4, 8, 16)  # the j of S(j) in the table

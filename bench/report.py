@@ -12,9 +12,9 @@ from pathlib import Path
 
 from bench.costs import PassCosts
 from bench.variants import Run, Variant
-from engine.adaptive import pass_cost_speedup
-from engine.divergence import Divergence
-from engine.types import GenerationStats, Method
+from engine.api.types import GenerationStats, Method
+from engine.speculation.adaptive import pass_cost_speedup
+from engine.speculation.divergence import Divergence
 
 ALL_WORKLOADS = "all"
 # Below this measured speedup a method is not worth switching on.
@@ -23,8 +23,9 @@ WORTHWHILE_SPEEDUP = 1.05
 
 def theoretical_speedup(stats: GenerationStats, costs: PassCosts, cost_ratio: float) -> float:
     """The speedup the measured acceptance gives if the target passes and the proposer cost
-    what ``costs`` measured and nothing else took time (``engine.adaptive.pass_cost_speedup``,
-    in one-token target passes): a verifying pass of m + 1 rows interpolated between the
+    what ``costs`` measured and nothing else took time
+    (``engine.speculation.adaptive.pass_cost_speedup``, in one-token target passes): a verifying
+    pass of m + 1 rows interpolated between the
     measured 1 and ``costs.verify_tokens`` rows, a proposed token ``cost_ratio``
     (``PassCosts.proposer_ratio``: a heads method's whole proposal, its draft passes per tree
     level included), a pass that proposed nothing one. ``stats``: the pooled counts of a

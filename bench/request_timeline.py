@@ -27,8 +27,8 @@ from typing import Any
 import psycopg
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.service import RequestHandle
-from engine.types import GenerationResult, StreamDelta
+from engine.api.types import GenerationResult, StreamDelta
+from engine.serving.service import RequestHandle
 from gateway.dependencies import Services
 
 # Each stamp, and what the interval that ends at it holds (on the strict path, in order).

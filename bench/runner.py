@@ -18,15 +18,15 @@ from bench.divergences import find_divergences
 from bench.report import DivergenceTable, RunTable
 from bench.variants import Generator, Variant, hf_variants, specgate_variants
 from bench.workload import BenchPrompt
+from engine.api.types import Method
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.divergence import ROUNDING_ULPS
-from engine.heads.loading import load_heads_for
-from engine.heads.vocabulary import extra_bytes
-from engine.loading import load_model, pick_device
-from engine.proposers.vocabulary import load_head_vocabulary, restrict_head
-from engine.service import Engine
-from engine.types import Method
-from engine.versioning import model_version
+from engine.models.loading import load_model, pick_device
+from engine.models.versioning import model_version
+from engine.serving.service import Engine
+from engine.speculation.divergence import ROUNDING_ULPS
+from engine.speculation.proposers.vocabulary import load_head_vocabulary, restrict_head
+from engine.training.heads.loading import load_heads_for
+from engine.training.heads.vocabulary import extra_bytes
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engines: list[Engin
         "divergences": "first token differing from plain decoding; logit gap there as plain "
         f"decoding computed it, within rounding if at most {ROUNDING_ULPS:g} "
         f"{str(target.dtype).removeprefix('torch.')} "
-        "ulps at the logits' magnitude (engine.divergence)",
+        "ulps at the logits' magnitude (engine.speculation.divergence)",
         "pass costs": (
             f"target {costs.target_one_ms:.2f} ms for 1 token, {costs.target_verify_ms:.2f} ms "
             f"for {costs.verify_tokens}; draft "

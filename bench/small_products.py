@@ -4,8 +4,8 @@ side on the same weights.
     python -m bench.small_products [--target DIR] [--dtype float32] [--steps 32] [--rounds 5]
                                    [--batch 1]
 
-Loads the target twice as the engine serves it (``engine.loading.load_model``, then
-``engine.packed_linear.pack_linear_weights``): once with ``engine.kernels.small_gemm`` and
+Loads the target twice as the engine serves it (``engine.models.loading.load_model``, then
+``engine.models.packed_linear.pack_linear_weights``): once with ``engine.kernels.small_gemm`` and
 once with it switched off (``SPECGATE_SMALL_GEMM=onednn`` while packing), and alternates
 rounds of ``--steps`` plain engine steps (``bench.step_profile.engine_steps``, batch 1,
 greedy; with ``--batch N > 1``, ``batched_steps``: N copies of the prompt decoded greedily
@@ -29,11 +29,11 @@ import torch
 from transformers import PreTrainedModel
 
 from bench.step_profile import engine_steps, prompt_ids
-from engine.batched_runner import BatchedRunner, Feed
-from engine.demo.paths import default_demo_dir
 from engine.kernels import small_gemm
-from engine.loading import load_model, pick_device
-from engine.packed_linear import pack_linear_weights
+from engine.models.batched_runner import BatchedRunner, Feed
+from engine.models.loading import load_model, pick_device
+from engine.models.packed_linear import pack_linear_weights
+from engine.training.demo.paths import default_demo_dir
 
 
 @torch.inference_mode()

@@ -4,12 +4,12 @@
                                  [--threads N] [--clock wall|cpu] [--profile-steps 16]
                                  [--no-profile]
 
-Loads the target three times: as the engine serves it (``engine.loading.load_model``, then
-``engine.packed_linear.pack_linear_weights``), the same without the packing, and as a Hugging
+Loads the target three times: as the engine serves it (``engine.models.loading.load_model``, then
+``engine.models.packed_linear.pack_linear_weights``), the same without the packing, and as a Hugging
 Face user would (``from_pretrained`` in the same dtype, its default attention). Prefills a
 chat prompt into a ``BatchedRunner`` slot and runs plain decode steps through
-``engine.step.run_step``, the engine's own step (batch 1, greedy). Per round, side by side on
-the same weights, in turn:
+``engine.serving.step.run_step``, the engine's own step (batch 1, greedy). Per round, side by side
+on the same weights, in turn:
 
 - ``engine step``: wall time per ``run_step`` (pass, logits, verification, cache bookkeeping)
   on the packed model, and ``model call``, the part of it inside ``model(...)``;
@@ -35,13 +35,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the specgate command d
 import torch
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 
-from engine.batched_runner import BatchedRunner, Feed
-from engine.demo.paths import default_demo_dir
-from engine.loading import load_model, load_tokenizer, pick_device
-from engine.packed_linear import pack_linear_weights
-from engine.proposers.base import Proposal
-from engine.step import StepRow, run_step
-from engine.types import SamplingParams
+from engine.api.types import SamplingParams
+from engine.models.batched_runner import BatchedRunner, Feed
+from engine.models.loading import load_model, load_tokenizer, pick_device
+from engine.models.packed_linear import pack_linear_weights
+from engine.serving.step import StepRow, run_step
+from engine.speculation.proposers.base import Proposal
+from engine.training.demo.paths import default_demo_dir
 
 # ``--clock cpu`` times with the process's CPU time (all threads; OpenMP threads wait
 # passively), which other processes on shared cores inflate far less than wall time.

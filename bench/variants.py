@@ -1,6 +1,6 @@
 """The decoding variants a benchmark compares, and how each one generates.
 
-Specgate's variants go through ``engine.service.Engine`` exactly as the gateway uses it;
+Specgate's variants go through ``engine.serving.service.Engine`` exactly as the gateway uses it;
 Hugging Face's run ``model.generate`` on the same loaded weights (same dtypes), so the two
 columns differ only in the decoding loop.
 """
@@ -15,14 +15,14 @@ from typing import Literal, cast
 import torch
 from transformers import GenerationMixin, PreTrainedModel
 
-from engine.service import Engine
-from engine.types import (
+from engine.api.types import (
     GenerationRequest,
     GenerationStats,
     Method,
     SamplingParams,
     SpeculativeChoice,
 )
+from engine.serving.service import Engine
 
 Backend = Literal["specgate", "hf"]
 

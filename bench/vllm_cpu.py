@@ -32,7 +32,7 @@ import httpx
 
 from bench.vllm_server import VllmServer, running
 from bench.vllm_side_by_side import PROMPTS, Route, gateway_route, level
-from engine.versioning import model_version
+from engine.models.versioning import model_version
 from gateway.settings import DEMO_MODEL_NAME, BackendSettings, Settings
 
 CALLS = 64
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--port-base", type=int, default=0, help="default: free ports")
     args = parser.parse_args()
-    from engine.demo.paths import default_demo_dir
+    from engine.training.demo.paths import default_demo_dir
 
     target = args.target or default_demo_dir() / "target"
     scratch = Path(tempfile.mkdtemp(prefix="specgate-vllm-cpu-"))

@@ -78,7 +78,7 @@ import httpx
 from bench.audit_bench import scratch_database
 from bench.gateway_overhead import serving
 from bench.vllm_server import VllmServer, running
-from engine.versioning import MANIFEST_NAME, model_version, write_manifest
+from engine.models.versioning import MANIFEST_NAME, model_version, write_manifest
 from gateway.settings import DEMO_MODEL_NAME, BackendSettings, Settings, VllmServerSettings
 
 PROMPTS = Path(__file__).parent / "prompts" / "code.jsonl"
@@ -304,7 +304,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.pin:
         pin_this_process()  # before any thread starts
-    from engine.demo.paths import default_demo_dir
+    from engine.training.demo.paths import default_demo_dir
 
     target = args.target or default_demo_dir() / "target"
     draft = None if args.no_draft else args.draft or default_demo_dir() / "draft"

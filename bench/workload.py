@@ -3,7 +3,7 @@
 A prompt file holds JSON lines, each a completion request ``{"prompt": "..."}`` or a chat
 request ``{"messages": [...]}``, optionally with ``"max_tokens"``. The built-in sets are the
 workloads of an instruct model, written apart from the demo draft's distillation prompts
-(``engine.demo.prompts``), with code only from standard-library files the demo holds out
+(``engine.training.demo.prompts``), with code only from standard-library files the demo holds out
 (``source`` names the file and function): ``chat`` asks everyday questions, ``code`` asks to
 finish a function given its first lines, ``editing`` asks to quote a function back or rename
 it (where n-gram lookup shines), ``json`` asks to extract fields from a short text as JSON.

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from engine.demo.cli import models_app
+from engine.training.demo.cli import models_app
 
 __all__ = ["generate", "models_app"]
 
@@ -28,7 +28,8 @@ def generate(
         Path | None, typer.Option(help="Medusa or EAGLE heads directory (specgate heads train).")
     ] = None,
     method: Annotated[
-        str, typer.Option(help="A registered speculation method (engine.methods); none: plain.")
+        str,
+        typer.Option(help="A registered method (engine.speculation.methods); none: plain."),
     ] = "none",
     num_speculative_tokens: Annotated[
         int | None, typer.Option(help="Fixed k; adaptive when left out.")
@@ -49,9 +50,9 @@ def generate(
     """Generate from a prompt with plain or speculative decoding."""
     if (prompt is None) == (prompt_ids is None):
         raise typer.BadParameter("give exactly one of --prompt and --prompt-ids")
+    from engine.api.types import EngineError, GenerationRequest, SamplingParams, SpeculativeChoice
     from engine.config import EngineConfig, SpeculativeConfig
-    from engine.service import Engine
-    from engine.types import EngineError, GenerationRequest, SamplingParams, SpeculativeChoice
+    from engine.serving.service import Engine
 
     try:
         config = EngineConfig(

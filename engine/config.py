@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine import methods
-from engine.methods import RegisteredMethod
-from engine.types import MAX_SPECULATIVE_TOKENS, Method
+from engine.api.types import MAX_SPECULATIVE_TOKENS, Method
+from engine.speculation import methods
+from engine.speculation.methods import RegisteredMethod
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 

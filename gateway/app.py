@@ -20,7 +20,7 @@ import structlog
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from engine.types import FallbackEvent
+from engine.api.types import FallbackEvent
 from gateway import openapi
 from gateway.admission import Admission
 from gateway.audit.log import AuditUnavailableError, WitnessPolicy

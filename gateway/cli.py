@@ -7,7 +7,7 @@ import typer
 
 from bench.cli import bench
 from engine.cli import generate, models_app
-from engine.heads.cli import heads_app
+from engine.training.heads.cli import heads_app
 from gateway.cli_admin import audit_app, db_app, keys_app
 from gateway.cli_privacy import compliance_app, privacy_app
 from gateway.cli_serve import serve

@@ -22,7 +22,9 @@ def serve(
     ] = None,
     method: Annotated[
         str | None,
-        typer.Option(help="Default speculation: none or a registered method (engine.methods)."),
+        typer.Option(
+            help="Default speculation: none or a registered method (engine.speculation.methods)."
+        ),
     ] = None,
     num_speculative_tokens: Annotated[
         int | None, typer.Option(help="Fixed K; unset lets the engine adapt K.")

@@ -23,8 +23,8 @@ import anyio
 import structlog
 from pydantic import BaseModel
 
-from engine.chat import RESERVED_TEMPLATE_KWARGS, TemplateOptions
-from engine.tool_parsers import (
+from engine.api.chat import RESERVED_TEMPLATE_KWARGS, TemplateOptions
+from engine.api.tool_parsers import (
     READERS,
     ArgumentsDelta,
     ArgumentsReader,
@@ -35,7 +35,7 @@ from engine.tool_parsers import (
     ToolEvent,
     read_all,
 )
-from engine.types import (
+from engine.api.types import (
     CompiledConstraint,
     Constraint,
     EngineError,

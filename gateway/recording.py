@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from engine.types import FallbackEvent, GenerationStats, SamplingParams, SpeculativeChoice
+from engine.api.types import FallbackEvent, GenerationStats, SamplingParams, SpeculativeChoice
 from gateway.audit.log import AppendedEvent, AuditLog, AuditUnavailableError
 from gateway.audit.loop_append import LoopAppender
 from gateway.backends.base import BackendCard

@@ -25,8 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-from engine.methods import RegisteredMethod
-from engine.types import MAX_SPECULATIVE_TOKENS, MAX_TOP_LOGPROBS, AcceptanceSource, Method
+from engine.api.types import MAX_SPECULATIVE_TOKENS, MAX_TOP_LOGPROBS, AcceptanceSource, Method
+from engine.speculation.methods import RegisteredMethod
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_CHOICES = 16
@@ -74,7 +74,7 @@ _WHY_UNSUPPORTED = {
 }
 MAX_TOKEN_ID_LIST = 4096  # allowed_token_ids, stop_token_ids
 MAX_BAD_WORDS = 64
-# OpenAI's limits: a tool's name, logit_bias values, top_logprobs (engine.types).
+# OpenAI's limits: a tool's name, logit_bias values, top_logprobs (engine.api.types).
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 MAX_TOOLS = 128
 MAX_LOGIT_BIAS = 300
@@ -423,7 +423,7 @@ class Usage(BaseModel):
 
 class SpeculativeUsage(BaseModel):
     """Specgate extension: how speculation went for this response (all choices together);
-    the fields are ``engine.types.SPECULATION_FIGURES``."""
+    the fields are ``engine.api.types.SPECULATION_FIGURES``."""
 
     method: Method
     num_drafts: int
@@ -504,8 +504,8 @@ class Completion(BaseModel):
 
 
 class Artefact(BaseModel):
-    """One versioned artefact (``engine.methods.Artefact``); ``version`` None where a remote
-    server does not report it."""
+    """One versioned artefact (``engine.speculation.methods.Artefact``); ``version`` None where a
+    remote server does not report it."""
 
     kind: str
     name: str | None

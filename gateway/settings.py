@@ -30,10 +30,10 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from engine import methods
+from engine.api.types import MAX_SPECULATIVE_TOKENS
 from engine.config import DType, EngineConfig, SpeculativeConfig, speculative_config_from_vllm
-from engine.methods import RegisteredMethod
-from engine.types import MAX_SPECULATIVE_TOKENS
+from engine.speculation import methods
+from engine.speculation.methods import RegisteredMethod
 from gateway.audit.log import APPEND_LOCK_TIMEOUT_S
 from gateway.audit.signing import DEFAULT_ORIGIN
 from gateway.privacy.store import RETENTION_DAYS_DEFAULT
@@ -621,7 +621,7 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
 
 def _demo_pair() -> tuple[Path, Path | None]:
     """The demo target, and its draft once ``specgate models build-demo`` has distilled it."""
-    from engine.demo.paths import default_demo_dir
+    from engine.training.demo.paths import default_demo_dir
 
     demo = default_demo_dir()
     target, draft = demo / "target", demo / "draft"
@@ -660,8 +660,8 @@ def engine_config(settings: Settings) -> EngineConfig:
             raise ConfigError(f"{name}: {path} is not a model directory")
     method = settings.method
     if method is None and settings.speculative_config is None:
-        # The method of the artefact given (engine.methods.default_method); the demo serves
-        # with n-gram lookup until its draft is built.
+        # The method of the artefact given (engine.speculation.methods.default_method); the demo
+        # serves with n-gram lookup until its draft is built.
         method = methods.default_method(given) or (
             "ngram" if demo_without_draft else "none"
         )

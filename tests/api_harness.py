@@ -16,7 +16,7 @@ import psycopg
 from fastapi import FastAPI
 from psycopg import sql
 
-from engine.service import Engine
+from engine.serving.service import Engine
 from gateway.app import BackendLoader, create_app, load_local_backend
 from gateway.backends.local import LocalBackend
 from gateway.dependencies import Services

@@ -1,21 +1,22 @@
-"""One request decoded alone through the engine's own step (``engine.step.run_step``) on a
+"""One request decoded alone through the engine's own step (``engine.serving.step.run_step``) on a
 ``SerialRunner``, its proposal lengths chosen as the scheduler chooses them for a batch of one
-(``engine.batch_speculation``): for tests that drive a runner they built or perturbed."""
+(``engine.speculation.batch_speculation``): for tests that drive a runner they built or
+perturbed."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.adaptive import SpeculationLength
-from engine.batch_speculation import BatchSpeculation, Sequence, StepCosts
-from engine.logits_processors import LogitsProcessing
-from engine.model_runner import ModelRunner
-from engine.proposers import NgramProposer
-from engine.proposers.base import Proposal
-from engine.serial_runner import SerialRunner
-from engine.speculation import Speculation
-from engine.step import StepRow, run_step
-from engine.types import GenerationStats, SamplingParams
+from engine.api.types import GenerationStats, SamplingParams
+from engine.models.model_runner import ModelRunner
+from engine.models.serial_runner import SerialRunner
+from engine.serving.step import StepRow, run_step
+from engine.speculation.adaptive import SpeculationLength
+from engine.speculation.batch_speculation import BatchSpeculation, Sequence, StepCosts
+from engine.speculation.logits_processors import LogitsProcessing
+from engine.speculation.proposers import NgramProposer
+from engine.speculation.proposers.base import Proposal
+from engine.speculation.request import Speculation
 
 
 def decode_alone(

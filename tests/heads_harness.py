@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from engine.adaptive import PassCosts
-from engine.batch_speculation import StepCosts
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.proposers.base import Proposal
-from engine.sampling import TreeVerdict, verify_tree_greedy
-from engine.service import Engine
-from engine.tree import children
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.serving.service import Engine
+from engine.speculation.adaptive import PassCosts
+from engine.speculation.batch_speculation import StepCosts
+from engine.speculation.proposers.base import Proposal
+from engine.speculation.sampling import TreeVerdict, verify_tree_greedy
+from engine.speculation.tree import children
 from tests.test_engine_sampling import (
     SIGNIFICANCE,
     chi_square_p_value,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.adaptive import Candidate, NodeHits, PassCosts, SpeculationLength
-from engine.proposers.base import Proposal
-from engine.speculation import record_proposal_cost
+from engine.speculation.adaptive import Candidate, NodeHits, PassCosts, SpeculationLength
+from engine.speculation.proposers.base import Proposal
+from engine.speculation.request import record_proposal_cost
 from tests.decode_alone import adaptive, k_alone
 
 

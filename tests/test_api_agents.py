@@ -23,8 +23,8 @@ import pytest
 import sqlalchemy as sa
 from pydantic import BaseModel, Field
 
-from engine.chat import HERMES_TOOL_PROMPT
-from engine.grammar_text import checked_grammar
+from engine.api.chat import HERMES_TOOL_PROMPT
+from engine.api.grammar_text import checked_grammar
 from gateway.audit.schema import audit_events
 from gateway.backends import local as local_backend
 from gateway.generation import constraint

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from engine.types import BackendUnavailableError
+from engine.api.types import BackendUnavailableError
 from tests.api_harness import LiveGateway, tiny_pair_gateway
 
 

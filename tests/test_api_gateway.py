@@ -21,7 +21,7 @@ from openai.types.chat import ChatCompletion
 from psycopg import sql
 from pydantic import BaseModel
 
-from engine.types import SPECULATION_FIELDS
+from engine.api.types import SPECULATION_FIELDS
 from gateway.audit.schema import audit_events
 from gateway.audit.verify import verify_export
 from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway, pg_admin

@@ -8,7 +8,7 @@ import hmac
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.types import GenerationStats
+from engine.api.types import GenerationStats
 from gateway.privacy.commitments import CommitmentKey
 from gateway.recording import (
     combined_stats,

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from engine.types import SamplingParams, SpeculativeChoice
+from engine.api.types import SamplingParams, SpeculativeChoice
 from gateway.generation import Job, Prompt
 from gateway.responses_api import ResponseEvents
 from gateway.responses_schemas import ResponseRequest

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.types import GenerationRequest, InvalidRequestError, SamplingParams
+from engine.api.types import GenerationRequest, InvalidRequestError, SamplingParams
 from gateway.backends.vllm_wire import completion_body
 from tests.api_harness import LiveGateway, fresh_database, gateway_settings, live_gateway
 from tests.test_api_gateway import events

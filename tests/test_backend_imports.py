@@ -1,5 +1,5 @@
 """The gateway's backend seam and the vLLM backend load without PyTorch: a gateway that
-fronts vLLM needs none of the engine's model code (``engine.types``, ``engine.chat`` and the
+fronts vLLM needs none of the engine's model code (``engine.api.types``, ``engine.api.chat`` and the
 configuration are torch-free)."""
 
 from __future__ import annotations
@@ -25,6 +25,6 @@ def test_the_module_imports_with_torch_blocked(module: str) -> None:
 
 def test_blocking_torch_is_felt() -> None:
     """Power check: the same block stops a module that needs torch."""
-    code = "import sys\nsys.modules['torch'] = None\nimport engine.service\n"
+    code = "import sys\nsys.modules['torch'] = None\nimport engine.serving.service\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode != 0 and "torch" in done.stderr

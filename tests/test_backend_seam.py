@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 
 import gateway
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from gateway.backends.base import GenerationBackend
 from gateway.backends.local import LocalBackend
 from tests.tiny_models import build_model, build_tokenizer
 
 GATEWAY_DIR = Path(gateway.__file__).parent
 # The engine's concrete runtime: model loading, the worker thread, the tokenizer object.
-CONCRETE_ENGINE_MODULES = frozenset({"engine.service"})
+CONCRETE_ENGINE_MODULES = frozenset({"engine.serving.service"})
 ALLOWED = frozenset({GATEWAY_DIR / "backends" / "local.py"})
 
 
@@ -36,12 +36,12 @@ def imported_modules(source: str) -> set[str]:
 
 def test_import_scan_sees_every_form_of_import() -> None:
     source = (
-        "import engine.service\n"
-        "from engine import service\n"
-        "if TYPE_CHECKING:\n    from engine.service import Engine\n"
+        "import engine.serving.service\n"
+        "from engine.serving import service\n"
+        "if TYPE_CHECKING:\n    from engine.serving.service import Engine\n"
     )
-    assert imported_modules(source) >= {"engine.service", "engine.service.Engine"}
-    assert "engine.service" in imported_modules("from engine import service\n")
+    assert imported_modules(source) >= {"engine.serving.service", "engine.serving.service.Engine"}
+    assert "engine.serving.service" in imported_modules("from engine.serving import service\n")
 
 
 def test_only_the_local_backend_imports_the_engine_service() -> None:

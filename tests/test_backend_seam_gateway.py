@@ -11,7 +11,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from gateway.app import FallbackListener, load_local_backend
 from gateway.audit.schema import audit_events
 from gateway.backends.base import BackendCard, Generation, GenerationBackend

@@ -23,7 +23,7 @@ import pytest
 import sqlalchemy as sa
 
 from bench.vllm_server import VllmServer, running
-from engine.versioning import model_version, write_manifest
+from engine.models.versioning import model_version, write_manifest
 from gateway.app import load_configured_backend
 from gateway.audit.schema import audit_events
 from gateway.privacy.commitments import text_bytes

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from engine.chat import DEFAULT_TEMPLATE, hermes_messages
+from engine.api.chat import DEFAULT_TEMPLATE, hermes_messages
 from gateway.backends.vllm_acceptance import IntervalAttribution, per_position
 from gateway.backends.vllm_chat import template_renders_tools, tokenize_chat_body
 from gateway.backends.vllm_replica_check import (

@@ -24,7 +24,7 @@ import pytest
 import sqlalchemy as sa
 
 from bench.vllm_server import VllmServer, running
-from engine.versioning import write_manifest
+from engine.models.versioning import write_manifest
 from gateway.app import load_configured_backend
 from gateway.audit.schema import audit_events
 from gateway.backends.vllm_wire import accepted_per_position

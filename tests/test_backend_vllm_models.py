@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.versioning import model_version
+from engine.models.versioning import model_version
 from gateway.app import load_configured_backend
 from gateway.settings import Settings
 from tests.api_harness import LiveGateway, fresh_database, live_gateway

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from engine.versioning import MANIFEST_NAME, model_version, read_manifest, write_manifest
+from engine.models.versioning import MANIFEST_NAME, model_version, read_manifest, write_manifest
 from gateway.backends.vllm import served_artefacts, specgate_method
 from gateway.backends.vllm_acceptance import IntervalAttribution, split
 from gateway.backends.vllm_replicas import Replica, Replicas

@@ -23,14 +23,14 @@ from bench.report import (
     summarise,
 )
 from bench.variants import Run, Variant
-from engine.adaptive import expected_tokens, pass_cost_speedup
-from engine.adaptive import theoretical_speedup as textbook_speedup
-from engine.divergence import Divergence, rounding_bound
-from engine.heads.loading import load_heads_for
-from engine.heads.train import HeadsSpec, build_data, train_eagle, train_medusa
-from engine.loading import load_model, load_tokenizer
-from engine.types import GenerationStats, Method
-from engine.versioning import model_version
+from engine.api.types import GenerationStats, Method
+from engine.models.loading import load_model, load_tokenizer
+from engine.models.versioning import model_version
+from engine.speculation.adaptive import expected_tokens, pass_cost_speedup
+from engine.speculation.adaptive import theoretical_speedup as textbook_speedup
+from engine.speculation.divergence import Divergence, rounding_bound
+from engine.training.heads.loading import load_heads_for
+from engine.training.heads.train import HeadsSpec, build_data, train_eagle, train_medusa
 from tests.tiny_models import SAMPLE_TEXT, build_pair
 
 NONE = Variant("specgate", "none", None)
@@ -266,8 +266,8 @@ def test_a_divergence_beyond_rounding_is_flagged_as_a_bug() -> None:
 def test_find_divergences_locates_each_differing_run(tmp_path: Path) -> None:
     from bench.divergences import find_divergences
     from bench.workload import BenchPrompt
-    from engine.divergence import plain_step_logits
-    from engine.loading import load_model
+    from engine.models.loading import load_model
+    from engine.speculation.divergence import plain_step_logits
 
     target, _ = build_pair(tmp_path / "models")
     model = load_model(target, torch.device("cpu"), "bfloat16")

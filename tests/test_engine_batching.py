@@ -19,16 +19,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from engine.adaptive import PassCosts, RunLengths, SpeculationLength
-from engine.batch_speculation import BatchSpeculation, Sequence, StepCosts, crossover
-from engine.batched_runner import BatchedRunner, Feed
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.model_runner import ModelRunner
-from engine.proposers import NgramProposer
-from engine.proposers.batched_draft import BatchedDraftProposer
-from engine.service import Engine
-from engine.speculation import Speculation
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.models.batched_runner import BatchedRunner, Feed
+from engine.models.model_runner import ModelRunner
+from engine.serving.service import Engine
+from engine.speculation.adaptive import PassCosts, RunLengths, SpeculationLength
+from engine.speculation.batch_speculation import BatchSpeculation, Sequence, StepCosts, crossover
+from engine.speculation.proposers import NgramProposer
+from engine.speculation.proposers.batched_draft import BatchedDraftProposer
+from engine.speculation.request import Speculation
 from tests.test_engine_sampling import (
     SAMPLES,
     SIGNIFICANCE,

@@ -12,18 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.adaptive import (
-    FallbackMonitor,
-    PassCosts,
-    RunLengths,
-    SpeculationLength,
-    expected_tokens,
-    theoretical_speedup,
-)
-from engine.config import EngineConfig, SpeculativeConfig, speculative_config_from_vllm
-from engine.model_runner import ModelRunner
-from engine.service import Engine
-from engine.types import (
+from engine.api.types import (
     MAX_SPECULATIVE_TOKENS,
     FallbackEvent,
     GenerationRequest,
@@ -36,7 +25,18 @@ from engine.types import (
     SamplingParams,
     SpeculativeChoice,
 )
-from engine.versioning import CACHE_NAME, model_version
+from engine.config import EngineConfig, SpeculativeConfig, speculative_config_from_vllm
+from engine.models.model_runner import ModelRunner
+from engine.models.versioning import CACHE_NAME, model_version
+from engine.serving.service import Engine
+from engine.speculation.adaptive import (
+    FallbackMonitor,
+    PassCosts,
+    RunLengths,
+    SpeculationLength,
+    expected_tokens,
+    theoretical_speedup,
+)
 from tests.decode_alone import adaptive, k_alone
 from tests.tiny_models import build_model, build_noisy_copy, build_pair, build_tokenizer
 

@@ -1,5 +1,5 @@
 """Speculation stays lossless under the logits processors: grammar masks, penalties,
-logit_bias and min_tokens (engine.logits_processors).
+logit_bias and min_tokens (engine.speculation.logits_processors).
 
 Greedy: speculative output (draft, n-gram) equals plain output token for token. Sampling:
 the first two tokens follow the exact processed target distribution (Pearson's chi-square
@@ -16,12 +16,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.grammar_text import checked_grammar
-from engine.logits_processors import LogitsProcessing
-from engine.sampling import probabilities
-from engine.service import Engine
-from engine.types import (
+from engine.api.grammar_text import checked_grammar
+from engine.api.types import (
     CompiledConstraint,
     Constraint,
     GenerationRequest,
@@ -29,6 +25,10 @@ from engine.types import (
     SamplingParams,
     SpeculativeChoice,
 )
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.serving.service import Engine
+from engine.speculation.logits_processors import LogitsProcessing
+from engine.speculation.sampling import probabilities
 from tests.test_engine_sampling import SIGNIFICANCE, chi_square_p_value
 from tests.tiny_models import build_noisy_copy, build_pair
 

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.batched_runner import BatchedRunner, Feed
 from engine.kernels import build, decode_attention
-from engine.tree import ancestor_mask
+from engine.models.batched_runner import BatchedRunner, Feed
+from engine.speculation.tree import ancestor_mask
 from tests.tiny_models import build_three_layer_target, load_packed
 
 # Float32 sums in another order, outputs of order one; scores up to ~20 in magnitude (scale

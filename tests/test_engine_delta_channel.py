@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from engine.delta_channel import DeltaChannel
-from engine.types import GenerationStats, StreamDelta, TokenLogprob
+from engine.api.delta_channel import DeltaChannel
+from engine.api.types import GenerationStats, StreamDelta, TokenLogprob
 
 
 def _deltas(n: int, logprobs: bool = False) -> list[StreamDelta]:

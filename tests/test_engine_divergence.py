@@ -13,21 +13,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedModel
 
-from engine.adaptive import PassCosts, SpeculationLength
+from engine.api.types import GenerationRequest, GenerationStats, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.divergence import (
+from engine.models.loading import load_model
+from engine.models.model_runner import ModelRunner
+from engine.serving.service import Engine
+from engine.speculation.adaptive import PassCosts, SpeculationLength
+from engine.speculation.divergence import (
     ROUNDING_ULPS,
     first_difference,
     first_divergence,
     rounding_bound,
     ulp,
 )
-from engine.loading import load_model
-from engine.model_runner import ModelRunner
-from engine.proposers.ngram import NgramProposer
-from engine.service import Engine
-from engine.speculation import Speculation
-from engine.types import GenerationRequest, GenerationStats, SamplingParams, SpeculativeChoice
+from engine.speculation.proposers.ngram import NgramProposer
+from engine.speculation.request import Speculation
 from tests.decode_alone import decode_alone
 from tests.tiny_models import build_noisy_copy, build_pair
 

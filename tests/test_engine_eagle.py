@@ -26,20 +26,20 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
-from engine import speculation
-from engine.adaptive import PassCosts
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig, SpeculativeConfig, speculative_config_from_vllm
-from engine.heads import heads_method
-from engine.heads.data import features
-from engine.heads.eagle import EagleDraft, HeadsMismatchError, load_eagle
-from engine.heads.train import HeadsSpec, build_data, train_eagle
-from engine.loading import load_model, load_tokenizer
-from engine.proposers import eagle as eagle_proposer
-from engine.proposers.eagle import DraftTree, EagleProposer, EagleTree, grow_tree
-from engine.service import Engine
-from engine.tree import check_parents, children, depths, path_to
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
-from engine.versioning import model_version
+from engine.models.loading import load_model, load_tokenizer
+from engine.models.versioning import model_version
+from engine.serving.service import Engine
+from engine.speculation import request as speculation
+from engine.speculation.adaptive import PassCosts
+from engine.speculation.proposers import eagle as eagle_proposer
+from engine.speculation.proposers.eagle import DraftTree, EagleProposer, EagleTree, grow_tree
+from engine.speculation.tree import check_parents, children, depths, path_to
+from engine.training.heads import heads_method
+from engine.training.heads.data import features
+from engine.training.heads.eagle import EagleDraft, HeadsMismatchError, load_eagle
+from engine.training.heads.train import HeadsSpec, build_data, train_eagle
 from tests.heads_harness import (
     PROMPTS,
     assert_sampling_is_exact,

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.adaptive import FallbackMonitor, PassCosts, RunLengths, SpeculationLength
-from engine.batch_speculation import BatchSpeculation, StepCosts
+from engine.api.types import FallbackEvent, GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.service import Engine
-from engine.types import FallbackEvent, GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.serving.service import Engine
+from engine.speculation.adaptive import FallbackMonitor, PassCosts, RunLengths, SpeculationLength
+from engine.speculation.batch_speculation import BatchSpeculation, StepCosts
 from tests.decode_alone import adaptive, k_alone
 from tests.tiny_models import build_pair
 

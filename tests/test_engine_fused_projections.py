@@ -1,4 +1,4 @@
-"""The fused q/k/v and gate/up products (``engine.fused_projections``) compute HF's forward.
+"""The fused q/k/v and gate/up products (``engine.models.fused_projections``) compute HF's forward.
 
 On tiny Llama models, a packed and fused model's logits equal HF's own forward within the
 dtype's rounding, and its greedy tokens are HF's: a full forward, and batched passes with
@@ -15,10 +15,10 @@ import torch
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
-from engine.batched_runner import BatchedRunner, Feed
-from engine.fused_projections import FusedPackedLinear
-from engine.loading import load_model
-from engine.packed_linear import PackedLinear, pack_linear_weights
+from engine.models.batched_runner import BatchedRunner, Feed
+from engine.models.fused_projections import FusedPackedLinear
+from engine.models.loading import load_model
+from engine.models.packed_linear import PackedLinear, pack_linear_weights
 from tests.tiny_models import build_three_layer_target, load_packed
 
 CPU = torch.device("cpu")

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.service import Engine
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.serving.service import Engine
 from tests.tiny_models import build_noisy_copy, build_pair
 
 # Acceptance threshold 0: these tests check exactness, so fallback must never kick in. With

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from engine import kv_cache
-from engine.attention import CPU_GQA_SDPA, use_cpu_gqa_attention
-from engine.kv_cache import GrowableLayer, new_cache
+from engine.models import kv_cache
+from engine.models.attention import CPU_GQA_SDPA, use_cpu_gqa_attention
+from engine.models.kv_cache import GrowableLayer, new_cache
 
 # Each operation appends that many positions (> 0) or drops that many (< 0).
 operations = st.lists(st.integers(min_value=-12, max_value=40), min_size=1, max_size=30)

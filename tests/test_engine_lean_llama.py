@@ -1,4 +1,4 @@
-"""The lean Llama forward (``engine.lean_llama``) computes what HF's modules compute.
+"""The lean Llama forward (``engine.models.lean_llama``) computes what HF's modules compute.
 
 On a tiny fused Llama model, the batched runner's lean passes give bitwise the logits and
 hidden states of the same runner on HF's modules (``lean=False``), in float32 and bfloat16,
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.batched_cache import SlotBatch
-from engine.batched_runner import BatchedRunner, Feed
-from engine.lean_llama import LeanLlama, lean_model
-from engine.loading import load_model
-from engine.packed_linear import onednn_packs
+from engine.models.batched_cache import SlotBatch
+from engine.models.batched_runner import BatchedRunner, Feed
+from engine.models.lean_llama import LeanLlama, lean_model
+from engine.models.loading import load_model
+from engine.models.packed_linear import onednn_packs
 from tests.tiny_models import build_three_layer_target, load_packed
 
 CPU = torch.device("cpu")

@@ -15,17 +15,17 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.demo.tokenizer import train_tokenizer
-from engine.loading import check_draft_compatible, load_model, text_config
-from engine.model_runner import ModelRunner
-from engine.service import Engine
-from engine.types import (
+from engine.api.types import (
     GenerationRequest,
     IncompatibleDraftError,
     SamplingParams,
     SpeculativeChoice,
 )
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.models.loading import check_draft_compatible, load_model, text_config
+from engine.models.model_runner import ModelRunner
+from engine.serving.service import Engine
+from engine.training.demo.tokenizer import train_tokenizer
 from tests.tiny_models import SAMPLE_TEXT, build_model, build_tokenizer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

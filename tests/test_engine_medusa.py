@@ -20,11 +20,31 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from engine import speculation
-from engine.adaptive import PassCosts, SpeculationLength
-from engine.heads import data as heads_data
-from engine.heads.medusa import HeadsMismatchError, MedusaHeads, load_heads
-from engine.heads.train import (
+from engine.api.types import (
+    MAX_SPECULATIVE_TOKENS,
+    GenerationRequest,
+    GenerationStats,
+    SamplingParams,
+    SpeculativeChoice,
+)
+from engine.models.loading import load_model, load_tokenizer
+from engine.models.model_runner import ModelRunner
+from engine.models.versioning import model_version
+from engine.serving.service import Engine
+from engine.speculation import request as speculation
+from engine.speculation.adaptive import PassCosts, SpeculationLength
+from engine.speculation.proposers.base import Proposer
+from engine.speculation.proposers.medusa import (
+    DEFAULT_MEDUSA_TREE,
+    MedusaProposer,
+    check_tree,
+    sparse_tree,
+    tree_expected_tokens,
+)
+from engine.speculation.request import Speculation
+from engine.training.heads import data as heads_data
+from engine.training.heads.medusa import HeadsMismatchError, MedusaHeads, load_heads
+from engine.training.heads.train import (
     HeadsSpec,
     build_data,
     medusa_accuracy,
@@ -33,26 +53,6 @@ from engine.heads.train import (
     split_sequences,
     train_medusa,
 )
-from engine.loading import load_model, load_tokenizer
-from engine.model_runner import ModelRunner
-from engine.proposers.base import Proposer
-from engine.proposers.medusa import (
-    DEFAULT_MEDUSA_TREE,
-    MedusaProposer,
-    check_tree,
-    sparse_tree,
-    tree_expected_tokens,
-)
-from engine.service import Engine
-from engine.speculation import Speculation
-from engine.types import (
-    MAX_SPECULATIVE_TOKENS,
-    GenerationRequest,
-    GenerationStats,
-    SamplingParams,
-    SpeculativeChoice,
-)
-from engine.versioning import model_version
 from tests.decode_alone import decode_alone
 from tests.heads_harness import (
     PROMPTS,
@@ -444,10 +444,10 @@ def test_the_built_in_tree_holds_more_nodes_than_16_best_first() -> None:
 def test_every_proposer_says_in_the_protocol_whether_it_proposes_trees() -> None:
     """``proposes_trees`` and ``most_tokens`` are ``Proposer`` members every proposer
     declares (they were looked up beside the protocol, a chain proposer saying nothing)."""
-    from engine.proposers.batched_draft import BatchedDraftProposer
-    from engine.proposers.draft import DraftModelProposer
-    from engine.proposers.ngram import NgramProposer
-    from engine.proposers.translating import TranslatingDraftProposer
+    from engine.speculation.proposers.batched_draft import BatchedDraftProposer
+    from engine.speculation.proposers.draft import DraftModelProposer
+    from engine.speculation.proposers.ngram import NgramProposer
+    from engine.speculation.proposers.translating import TranslatingDraftProposer
 
     assert {"proposes_trees", "most_tokens"} <= set(Proposer.__annotations__)
     for chain in (NgramProposer, DraftModelProposer, BatchedDraftProposer,

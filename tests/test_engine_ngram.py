@@ -5,10 +5,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.adaptive import PassCosts, SpeculationLength
-from engine.proposers.ngram import ALIGNMENT_CAP, NgramProposer, find_match, lookup
-from engine.speculation import Speculation
-from engine.types import SamplingParams
+from engine.api.types import SamplingParams
+from engine.speculation.adaptive import PassCosts, SpeculationLength
+from engine.speculation.proposers.ngram import ALIGNMENT_CAP, NgramProposer, find_match, lookup
+from engine.speculation.request import Speculation
 
 
 def test_longest_suffix_ngram_wins_over_a_later_shorter_match() -> None:

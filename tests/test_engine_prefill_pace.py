@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.adaptive import PassCosts
-from engine.batched_runner import Feed
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.prefill_pace import MIN_CHUNK_TOKENS, PrefillPace
-from engine.service import Engine
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.models.batched_runner import Feed
+from engine.serving.prefill_pace import MIN_CHUNK_TOKENS, PrefillPace
+from engine.serving.service import Engine
+from engine.speculation.adaptive import PassCosts
 from tests.tiny_models import build_pair
 
 SLOW_PER_TOKEN_S = 1 / 512  # what each prompt token of a chunk pass costs on the slowed runner

@@ -1,6 +1,6 @@
-"""The speculation method registry (engine.methods): a method is one module that registers its
-name, its vLLM names, its options, its artefact and its proposer factory, and nothing else
-needs to change. The fake ``echo`` method below is registered here, in the test, and is then
+"""The speculation method registry (engine.speculation.methods): a method is one module that
+registers its name, its vLLM names, its options, its artefact and its proposer factory, and nothing
+else needs to change. The fake ``echo`` method below is registered here, in the test, and is then
 served by the engine and the gateway end to end: configured, listed, decoded, recorded."""
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ import sqlalchemy as sa
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine import methods
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig, SpeculativeConfig, speculative_config_from_vllm
-from engine.logits_processors import LogitsProcessing
-from engine.methods import (
+from engine.models.versioning import model_version, write_manifest
+from engine.serving.service import Engine
+from engine.speculation import methods
+from engine.speculation.logits_processors import LogitsProcessing
+from engine.speculation.methods import (
     Artefact,
     ArtefactSpec,
     LoadContext,
@@ -29,10 +32,7 @@ from engine.methods import (
     register,
     unregister,
 )
-from engine.proposers.base import Proposal, TokenProposer
-from engine.service import Engine
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
-from engine.versioning import model_version, write_manifest
+from engine.speculation.proposers.base import Proposal, TokenProposer
 from gateway.audit.schema import audit_events
 from gateway.backends.vllm import served_artefacts, specgate_method
 from tests.api_harness import fresh_database, gateway_settings, live_gateway

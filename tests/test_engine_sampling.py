@@ -16,13 +16,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.adaptive import PassCosts, RunLengths, SpeculationLength
+from engine.api.types import GenerationRequest, GenerationStats, SamplingParams, SpeculativeChoice
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.proposers.ngram import lookup
-from engine.sampling import probabilities
-from engine.service import Engine
-from engine.speculation import Speculation
-from engine.types import GenerationRequest, GenerationStats, SamplingParams, SpeculativeChoice
+from engine.serving.service import Engine
+from engine.speculation.adaptive import PassCosts, RunLengths, SpeculationLength
+from engine.speculation.proposers.ngram import lookup
+from engine.speculation.request import Speculation
+from engine.speculation.sampling import probabilities
 from tests.decode_alone import decode_alone
 from tests.tiny_models import build_noisy_copy, build_pair
 

@@ -1,4 +1,4 @@
-"""Batched passes attend each sequence over its own cache extent (``engine.attention`` with
+"""Batched passes attend each sequence over its own cache extent (``engine.models.attention`` with
 ``SlotBatch.spans``), from a float32 cache under a half-precision model.
 
 The keys and values of a bfloat16 model are stored widened to float32 (exactly: every value
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.batched_cache import SlotCache
-from engine.batched_runner import BatchedRunner, Feed
+from engine.models.batched_cache import SlotCache
+from engine.models.batched_runner import BatchedRunner, Feed
 from tests.tiny_models import build_three_layer_target, load_packed
 
 

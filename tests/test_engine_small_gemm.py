@@ -4,8 +4,8 @@ how the columns are split between threads, and ``F.linear`` where the kernel doe
 
 Against ``F.linear`` in float64 over random shapes (rows 1 to MAX_ROWS, widths off the
 panel width, with and without bias, strided input rows). Bitwise: each row of a call equals
-that row alone, on one thread and on two. The packed layers (``engine.packed_linear``,
-``engine.fused_projections``) run it for short float32 passes and ``F.linear`` on the
+that row alone, on one thread and on two. The packed layers (``engine.models.packed_linear``,
+``engine.models.fused_projections``) run it for short float32 passes and ``F.linear`` on the
 unpacked weights for long ones.
 """
 
@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.fused_projections import FusedPackedLinear
 from engine.kernels import small_gemm
-from engine.packed_linear import PackedLinear
+from engine.models.fused_projections import FusedPackedLinear
+from engine.models.packed_linear import PackedLinear
 
 pytestmark = pytest.mark.skipif(
     not small_gemm.available(), reason=f"no kernel: {small_gemm.status()}"

@@ -1,6 +1,6 @@
 """Speed settings of the engine: passive OpenMP threads, ``--dtype auto`` measured, and the
-prepacked linear weights it serves with (``engine.packed_linear``), and float32 attention for
-half-precision steps (``engine.attention``)."""
+prepacked linear weights it serves with (``engine.models.packed_linear``), and float32 attention for
+half-precision steps (``engine.models.attention``)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin
 
-import engine.dtype_choice as dtype_choice
-import engine.loading as loading
-from engine.attention import FLOAT32_ATTENTION_ROWS, cpu_gqa_sdpa_forward
+import engine.models.dtype_choice as dtype_choice
+import engine.models.loading as loading
+from engine.api.types import MAX_STEP_ROWS, GenerationRequest, SamplingParams
 from engine.config import EngineConfig
-from engine.fused_projections import fuse_projections
-from engine.packed_linear import PackedLinear, can_pack, onednn_packs
-from engine.service import Engine
-from engine.types import MAX_STEP_ROWS, GenerationRequest, SamplingParams
+from engine.models.attention import FLOAT32_ATTENTION_ROWS, cpu_gqa_sdpa_forward
+from engine.models.fused_projections import fuse_projections
+from engine.models.packed_linear import PackedLinear, can_pack, onednn_packs
+from engine.serving.service import Engine
 from tests.tiny_models import build_model, build_tokenizer
 
 

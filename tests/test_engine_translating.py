@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.demo.tokenizer import train_tokenizer
-from engine.proposers.translating import translate
-from engine.service import Engine
-from engine.types import (
+from engine.api.types import (
     GenerationRequest,
     IncompatibleDraftError,
     SamplingParams,
     SpeculativeChoice,
 )
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.serving.service import Engine
+from engine.speculation.proposers.translating import translate
+from engine.training.demo.tokenizer import train_tokenizer
 from tests.tiny_models import SAMPLE_TEXT, build_model, build_tokenizer
 
 TEXT = "def add(a, b):\n    return a + b\nfor i in range(10):\n    print(i * i)\n"

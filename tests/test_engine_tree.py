@@ -18,11 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from engine.loading import load_model
-from engine.model_runner import ModelRunner
-from engine.proposers.base import Proposal
-from engine.sampling import TreeVerdict, sample, verify_tree_greedy, verify_tree_sampled
-from engine.tree import ancestor_mask, children, depths, path_to
+from engine.models.loading import load_model
+from engine.models.model_runner import ModelRunner
+from engine.speculation.proposers.base import Proposal
+from engine.speculation.sampling import TreeVerdict, sample, verify_tree_greedy, verify_tree_sampled
+from engine.speculation.tree import ancestor_mask, children, depths, path_to
 from tests.tiny_models import build_model, build_tokenizer
 
 SIGNIFICANCE = 0.001

@@ -17,11 +17,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from engine.api.types import SamplingParams
 from engine.config import EngineConfig
-from engine.logits_processors import LogitsProcessing
-from engine.output import OutputAssembler
-from engine.service import Engine
-from engine.types import SamplingParams
+from engine.serving.output import OutputAssembler
+from engine.serving.service import Engine
+from engine.speculation.logits_processors import LogitsProcessing
 from tests.test_engine_constraints import (
     NO_FALLBACK,
     greedy_outputs_equal_plain,

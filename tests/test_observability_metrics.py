@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.types import FallbackEvent, GenerationStats, Method
+from engine.api.types import FallbackEvent, GenerationStats, Method
 from gateway.observability.metrics import Metrics
 
 

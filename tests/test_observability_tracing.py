@@ -10,7 +10,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from engine.types import GenerationStats, SamplingParams
+from engine.api.types import GenerationStats, SamplingParams
 from gateway.observability.genai import start_completion_span
 from gateway.observability.tracing import Tracing, TracingTarget, resolve_tracing, tracer
 from tests.otlp_receiver import OtlpReceiver, otlp_receiver

@@ -22,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
-from engine.types import GenerationRequest, SamplingParams, SpeculativeChoice
+from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoice
 from gateway.audit.canonical import canonical_json
 from gateway.audit.schema import audit_events
 from gateway.audit.verify import verify_export

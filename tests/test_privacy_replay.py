@@ -22,7 +22,7 @@ import torch
 from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
-from engine.divergence import ROUNDING_ULPS, first_difference
+from engine.speculation.divergence import ROUNDING_ULPS, first_difference
 from gateway.app import load_local_backend
 from gateway.backends.base import GenerationBackend
 from gateway.cli import app as specgate_cli

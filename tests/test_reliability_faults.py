@@ -26,7 +26,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from engine.types import FallbackEvent
+from engine.api.types import FallbackEvent
 from gateway.audit.log import AppendedEvent, AuditLog, AuditUnavailableError
 from gateway.audit.loop_append import LoopAppender, libpq_conninfo
 from gateway.audit.mac import EventMac

@@ -30,10 +30,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gateway.routes as gateway_routes
-from engine.logits_processors import LogitsProcessing
-from engine.sampling import effective_sampling, probabilities
-from engine.service import Engine
-from engine.types import SamplingParams
+from engine.api.types import SamplingParams
+from engine.serving.service import Engine
+from engine.speculation.logits_processors import LogitsProcessing
+from engine.speculation.sampling import effective_sampling, probabilities
 from gateway.audit.schema import audit_events
 from gateway.db import upgrade_database
 from gateway.request_body import MAX_JSON_DEPTH, CheckedBodyRoute

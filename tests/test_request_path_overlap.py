@@ -21,8 +21,8 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from engine.service import RequestHandle
-from engine.types import GenerationRequest
+from engine.api.types import GenerationRequest
+from engine.serving.service import RequestHandle
 from gateway.audit.log import AppendedEvent, AuditUnavailableError
 from gateway.audit.schema import audit_events
 from tests.api_harness import LiveGateway

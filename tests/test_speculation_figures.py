@@ -1,4 +1,4 @@
-"""One list of speculation figures (engine.types.SPECULATION_FIGURES): the response extension,
+"""One list of speculation figures (engine.api.types.SPECULATION_FIGURES): the response extension,
 the `completion` audit event, both spans and the Prometheus counters report exactly these.
 Each test fails if a consumer names a figure the list does not have or misses one."""
 
@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from engine.scheduler import annotate
-from engine.types import SPECULATION_FIELDS, SPECULATION_FIGURES, GenerationStats
+from engine.api.types import SPECULATION_FIELDS, SPECULATION_FIGURES, GenerationStats
+from engine.serving.scheduler import annotate
 from gateway.generation import speculative_usage
 from gateway.observability.genai import speculative_attributes
 from gateway.observability.metrics import Metrics

@@ -1,5 +1,5 @@
-"""Tool calls read back from output text, per convention (engine.tool_parsers), and the
-Hermes rendering for templates without tools (engine.chat) that the parser must read, and the
+"""Tool calls read back from output text, per convention (engine.api.tool_parsers), and the
+Hermes rendering for templates without tools (engine.api.chat) that the parser must read, and the
 streaming readers: any split of a text reassembles to the one-shot parse."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.chat import hermes_messages
-from engine.tool_parsers import (
+from engine.api.chat import hermes_messages
+from engine.api.tool_parsers import (
     READERS,
     ArgumentsDelta,
     ArgumentsReader,

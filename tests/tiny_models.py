@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from engine.demo.tokenizer import train_tokenizer
-from engine.loading import load_model
-from engine.packed_linear import pack_linear_weights
+from engine.models.loading import load_model
+from engine.models.packed_linear import pack_linear_weights
+from engine.training.demo.tokenizer import train_tokenizer
 
 SAMPLE_TEXT = [
     "def add(a, b):\n    return a + b\n",

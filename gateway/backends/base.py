@@ -2,7 +2,7 @@
 
 Routes, recording, telemetry and the audit code depend only on what is defined here; the
 built-in engine (``gateway.backends.local``) is one implementation. The shared vocabulary of
-requests, deltas, results, statistics and errors is ``engine.types``, which has no torch or
+requests, deltas, results, statistics and errors is ``engine.api.types``, which has no torch or
 model code in it, so a remote backend can speak it too.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from engine.chat import DEFAULT_TEMPLATE, TemplateOptions
-from engine.types import (
+from engine.api.chat import DEFAULT_TEMPLATE, TemplateOptions
+from engine.api.types import (
     CompiledConstraint,
     Constraint,
     GenerationRequest,
@@ -38,16 +38,16 @@ class BackendCard:
     speculative_config: dict[str, Any]
     default_method: Method
     default_num_speculative_tokens: int | None
-    # How tool calls are read from output text (``engine.tool_parsers``; vLLM's
+    # How tool calls are read from output text (``engine.api.tool_parsers``; vLLM's
     # ``--tool-call-parser``): chosen by the chat template unless configured.
     tool_call_parser: str = "hermes"
     # How requests share the model: "continuous (max_num_seqs=N)", or one at a time and why.
     batching: str = "one request at a time"
     # Versioned artefacts besides the target (a draft model, heads): {"kind", "name",
-    # "version"} each (``engine.methods.Artefact``); version None where a remote server
+    # "version"} each (``engine.speculation.methods.Artefact``); version None where a remote server
     # does not report it.
     artefacts: tuple[dict[str, str | None], ...] = ()
-    # The dtype the target is served in and why (``engine.dtype_choice.DtypeChoice``); None
+    # The dtype the target is served in and why (``engine.models.dtype_choice.DtypeChoice``); None
     # where a remote server does not report it.
     dtype: dict[str, Any] | None = None
 
@@ -79,7 +79,7 @@ class Generation(Protocol):
 class GenerationBackend(Protocol):
     """A source of generations. Template rendering and tokenizing are CPU work: callers run
     ``render_chat`` and ``tokenize`` off the event loop. ``submit`` does not block: it
-    queues the request or raises an ``engine.types.EngineError`` (queue full, closed, bad
+    queues the request or raises an ``engine.api.types.EngineError`` (queue full, closed, bad
     request)."""
 
     @property
@@ -107,7 +107,7 @@ class GenerationBackend(Protocol):
     def compile_constraint(self, constraint: Constraint) -> CompiledConstraint:
         """Check an output constraint before the request is audited, so that one the backend
         cannot serve is the client's 400 and leaves no record; raises
-        ``engine.types.InvalidRequestError``. CPU work: off the event loop."""
+        ``engine.api.types.InvalidRequestError``. CPU work: off the event loop."""
         ...
 
     def submit(self, request: GenerationRequest) -> Generation: ...

@@ -1,6 +1,6 @@
 """The built-in speculative engine as a ``GenerationBackend``.
 
-The only gateway module that imports ``engine.service`` (``gateway.app`` wires it); the rest
+The only gateway module that imports ``engine.serving.service`` (``gateway.app`` wires it); the rest
 of the gateway sees ``gateway.backends.base`` only.
 """
 
@@ -9,18 +9,18 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from engine.chat import DEFAULT_TEMPLATE, TemplateOptions, render_chat
-from engine.config import EngineConfig
-from engine.divergence import first_divergence
-from engine.service import Engine, RequestHandle
-from engine.tool_parsers import parser_for_template
-from engine.types import (
+from engine.api.chat import DEFAULT_TEMPLATE, TemplateOptions, render_chat
+from engine.api.tool_parsers import parser_for_template
+from engine.api.types import (
     CompiledConstraint,
     Constraint,
     FallbackEvent,
     GenerationRequest,
     Method,
 )
+from engine.config import EngineConfig
+from engine.serving.service import Engine, RequestHandle
+from engine.speculation.divergence import first_divergence
 from gateway.backends.base import BackendCard, BackendHealth
 
 
@@ -82,7 +82,8 @@ class LocalBackend:
         self, prompt: Sequence[int], plain: Sequence[int], other: Sequence[int]
     ) -> dict[str, object] | None:
         """Where greedy ``other`` first differs from ``plain`` and the target's logit gap
-        there (``engine.divergence``); None when no token differs. CPU work: off the loop."""
+        there (``engine.speculation.divergence``); None when no token differs. CPU work: off the
+        loop."""
         found = first_divergence(self.engine.target_model, prompt, plain, other)
         return None if found is None else found.as_dict()
 

@@ -13,9 +13,9 @@ generation instead of two, none for a completion prompt. Generation goes to
 
 Routing: replicas form a ``speculative`` and a ``plain`` pool; a request goes to the least
 loaded healthy replica of its pool (``gateway.backends.vllm_replicas``). ``speculative:
-false``, and every request while the rolling acceptance monitor (``engine.adaptive``) has
-switched speculation off, goes to the plain pool (probes excepted); with no healthy replica
-in its pool a speculating request falls over to the other pool (the output is the same,
+false``, and every request while the rolling acceptance monitor (``engine.speculation.adaptive``)
+has switched speculation off, goes to the plain pool (probes excepted); with no healthy replica in
+its pool a speculating request falls over to the other pool (the output is the same,
 speculation being lossless). All network work runs on the backend's own event-loop thread.
 """
 
@@ -32,12 +32,10 @@ from typing import Any, TypeVar
 import httpx
 import structlog
 
-from engine import methods
-from engine.adaptive import FallbackMonitor, PassCosts
-from engine.chat import DEFAULT_TEMPLATE, TemplateOptions
-from engine.delta_channel import DeltaChannel
-from engine.grammar_text import checked_grammar
-from engine.types import (
+from engine.api.chat import DEFAULT_TEMPLATE, TemplateOptions
+from engine.api.delta_channel import DeltaChannel
+from engine.api.grammar_text import checked_grammar
+from engine.api.types import (
     BackendUnavailableError,
     CompiledConstraint,
     Constraint,
@@ -52,7 +50,9 @@ from engine.types import (
     NoChatTemplateError,
     StreamDelta,
 )
-from engine.versioning import read_manifest
+from engine.models.versioning import read_manifest
+from engine.speculation import methods
+from engine.speculation.adaptive import FallbackMonitor, PassCosts
 from gateway.backends.base import BackendCard, BackendHealth
 from gateway.backends.vllm_acceptance import IntervalAttribution, SpecFigures, per_position
 from gateway.backends.vllm_chat import template_renders_tools, tokenize_chat_body
@@ -86,7 +86,7 @@ ReplicaListener = Callable[[ReplicaNews], None]
 
 
 def specgate_method(vllm_config: dict[str, Any]) -> Method:
-    """vLLM's speculative method as Specgate names it (``engine.methods``); one Specgate
+    """vLLM's speculative method as Specgate names it (``engine.speculation.methods``); one Specgate
     does not implement (EAGLE, MTP, ...) runs a model, so it counts as ``draft``."""
     registered = methods.from_vllm_name(str(vllm_config.get("method")))
     return registered.name if registered is not None else "draft"

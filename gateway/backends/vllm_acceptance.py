@@ -14,7 +14,7 @@ interval, in proportion to their output tokens, and the audit event says so
 figure is the interval's, not exactly the request's.
 
 Accepted tokens by position are reported as the built-in engine reports them
-(``engine.types.GenerationStats.num_accepted_tokens_per_pos``): entry i counts the steps that
+(``engine.api.types.GenerationStats.num_accepted_tokens_per_pos``): entry i counts the steps that
 accepted more than i tokens, up to the last position with any.
 """
 

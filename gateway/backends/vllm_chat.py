@@ -2,8 +2,8 @@
 
 vLLM's ``/tokenize`` hands ``tools`` to the chat template, and a template that does not use
 them (the demo's ChatML) drops them: the model would never see the tools it is asked to
-call. The built-in engine (``engine.chat.render_chat``) spells them out for such a template
-in the Hermes convention (``engine.chat.hermes_messages``: the tools and the call format in
+call. The built-in engine (``engine.api.chat.render_chat``) spells them out for such a template
+in the Hermes convention (``engine.api.chat.hermes_messages``: the tools and the call format in
 the system message, earlier calls and their results as text), which its tool-call parser
 reads back. The vLLM backend sends the same messages to ``/tokenize``, so both backends give
 the same prompt.
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from engine.chat import TemplateOptions, hermes_messages
+from engine.api.chat import TemplateOptions, hermes_messages
 
 PROBE_MESSAGES = ({"role": "user", "content": "What is the weather?"},)
 PROBE_TOOL = {

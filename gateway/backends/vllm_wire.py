@@ -21,7 +21,7 @@ from typing import Any
 
 from opentelemetry import propagate
 
-from engine.types import (
+from engine.api.types import (
     Constraint,
     FinishReason,
     GenerationRequest,

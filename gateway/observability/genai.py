@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from engine.types import FigureValue, GenerationStats, SamplingParams
+from engine.api.types import FigureValue, GenerationStats, SamplingParams
 
 PROVIDER_NAME = "specgate"
 
@@ -74,7 +74,7 @@ class CompletionSpan:
 
 def speculative_attributes(stats: GenerationStats) -> dict[str, FigureValue]:
     """The engine's per-request speculation figures as ``specgate.speculative.*`` attributes
-    (``engine.types.SPECULATION_FIGURES``), with the time to the first token."""
+    (``engine.api.types.SPECULATION_FIGURES``), with the time to the first token."""
     return {
         **stats.span_attributes(),
         "specgate.time_to_first_token_s": stats.time_to_first_token_s,

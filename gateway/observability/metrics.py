@@ -20,7 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from engine.types import SPECULATION_FIGURES, FallbackEvent, GenerationStats, Method
+from engine.api.types import SPECULATION_FIGURES, FallbackEvent, GenerationStats, Method
 
 REQUEST_DURATION_BUCKETS = (
     0.01,
@@ -99,7 +99,7 @@ class Metrics:
             registry=r,
         )
         spec_labels = ["method", "model"]
-        # One counter per counted speculation figure (engine.types.SPECULATION_FIGURES).
+        # One counter per counted speculation figure (engine.api.types.SPECULATION_FIGURES).
         self.speculation_counters: dict[str, Counter] = {
             figure.name: Counter(
                 figure.metric,

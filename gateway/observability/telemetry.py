@@ -20,7 +20,7 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from engine.types import FallbackEvent, GenerationStats, SamplingParams
+from engine.api.types import FallbackEvent, GenerationStats, SamplingParams
 from gateway import specgate_version
 from gateway.observability.egress import (
     EgressAllowed,

@@ -8,8 +8,8 @@ configuration give a bit-identical completion: the replay's keyed commitment mus
 recorded one. Where a version or the configuration differs, the replay names it and claims
 no match. Asked for another method (greedy only), it compares the tokens with the recorded
 ones and gives the first differing position; and, for each speculative output, where it first
-leaves plain greedy decoding with the target's logit gap there (``engine.divergence``: plain
-decoding is the reference the gap is measured against, re-run when neither output is plain).
+leaves plain greedy decoding with the target's logit gap there (``engine.speculation.divergence``:
+plain decoding is the reference the gap is measured against, re-run when neither output is plain).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 
-from engine.divergence import first_difference
-from engine.types import (
+from engine.api.types import (
     Constraint,
     GenerationRequest,
     Method,
     SamplingParams,
     SpeculativeChoice,
 )
+from engine.speculation.divergence import first_difference
 from gateway.audit.log import AuditLog, AuditUnavailableError, record_from_row
 from gateway.audit.records import EventRecord
 from gateway.audit.schema import audit_events

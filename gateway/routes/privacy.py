@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 
-from engine.types import Method
+from engine.api.types import Method
 from gateway.auth import authenticated
 from gateway.dependencies import ServicesDep
 from gateway.errors import APIError

@@ -1,0 +1,11 @@
+"""Proposers: cheap guesses of the target's next tokens.
+
+Each speculation method's module here registers it (``engine.speculation.methods``); the registry
+imports every module of this package on its first look-up.
+"""
+
+from engine.speculation.proposers.base import Proposal, Proposer
+from engine.speculation.proposers.draft import DraftModelProposer
+from engine.speculation.proposers.ngram import NgramProposer
+
+__all__ = ["DraftModelProposer", "NgramProposer", "Proposal", "Proposer"]

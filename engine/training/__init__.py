@@ -1,0 +1,1 @@
+"""Outside the serving path: training Medusa and EAGLE heads, and building the demo pair."""
