@@ -317,6 +317,11 @@ class Settings(BaseSettings, ModelSettings):
         description="None: OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL, else http/protobuf.",
     )
     trace_content: bool = False
+    metrics_vllm_names: bool = Field(
+        default=False,
+        description="Also export the speculation and token counters under vLLM's names "
+        "(vllm:spec_decode_*, labelled model_name), for dashboards built for vLLM.",
+    )
     egress_allowlist: list[str] = Field(default_factory=list)
 
     audit_mac_key_path: Path = Field(

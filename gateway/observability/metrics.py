@@ -4,7 +4,10 @@ Label values are only ever route templates, status codes, model names, method na
 fallback actions and audit event kinds: nothing a client writes reaches a label.
 The speculation counters follow vLLM's ``spec_decode`` counters, so that acceptance rate
 (accepted / draft tokens) and mean acceptance length (1 + accepted / drafts) follow
-from them in PromQL as they do for vLLM.
+from them in PromQL as they do for vLLM. With ``vllm_names`` (setting
+``metrics_vllm_names``) they, and the prompt and generation token counters, are exported a
+second time under vLLM's own names and label (``vllm:spec_decode_num_drafts_total{model_name}``
+and so on), so that dashboards built for vLLM read the gateway unchanged.
 """
 
 from __future__ import annotations
@@ -58,12 +61,16 @@ TTFT_BUCKETS = (
 AUDIT_WRITE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+# The speculation figures vLLM exports as vllm:spec_decode_* counters.
+VLLM_SPEC_DECODE = frozenset(
+    {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"}
+)
 
 
 class Metrics:
     """The gateway's metrics in their own :class:`CollectorRegistry`."""
 
-    def __init__(self) -> None:
+    def __init__(self, vllm_names: bool = False) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -110,6 +117,28 @@ class Metrics:
             for figure in SPECULATION_FIGURES
             if figure.metric is not None
         }
+        # The same counts under vLLM's names (no method label: vLLM serves one method).
+        self.vllm_counters: dict[str, Counter] = (
+            {
+                name: Counter(
+                    metric.replace("specgate_", "vllm:", 1),
+                    description,
+                    ["model_name", "position"] if name.endswith("_per_pos") else ["model_name"],
+                    registry=r,
+                )
+                for name, metric, description in [
+                    *(
+                        (figure.name, figure.metric, figure.description)
+                        for figure in SPECULATION_FIGURES
+                        if figure.metric is not None and figure.name in VLLM_SPEC_DECODE
+                    ),
+                    ("num_prompt_tokens", "specgate_prompt_tokens", "Prompt tokens processed."),
+                    ("num_output_tokens", "specgate_generation_tokens", "Generation tokens."),
+                ]
+            }
+            if vllm_names
+            else {}
+        )
         self.speculation_disabled = Gauge(
             "specgate_speculation_disabled",
             "1 while a method is switched off by fallback.",
@@ -239,6 +268,26 @@ class Metrics:
                     counter.labels(stats.method, model, str(position)).inc(count)
             elif isinstance(value, int | float):
                 counter.labels(stats.method, model).inc(value)
+        self._observe_vllm_names(model, stats, figures)
+
+    def _observe_vllm_names(
+        self, model: str, stats: GenerationStats, figures: Mapping[str, object]
+    ) -> None:
+        """The counts of ``observe_generation`` under vLLM's names, where configured."""
+        if not self.vllm_counters:
+            return
+        counts = {
+            **figures,
+            "num_prompt_tokens": stats.num_prompt_tokens,
+            "num_output_tokens": stats.num_output_tokens,
+        }
+        for name, counter in self.vllm_counters.items():
+            value = counts[name]
+            if isinstance(value, list):
+                for position, count in enumerate(value):
+                    counter.labels(model, str(position)).inc(count)
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                counter.labels(model).inc(value)
 
     def observe_fallback(self, event: FallbackEvent) -> None:
         self.fallback_switches.labels(event.method, event.model, event.action).inc()

@@ -52,6 +52,7 @@ class TelemetrySettings(Protocol):
     otlp_endpoint: str | None
     otlp_protocol: OtlpProtocol | None
     trace_content: bool
+    metrics_vllm_names: bool
     egress_allowlist: list[str]
 
     def outbound_backend_urls(self) -> dict[str, str]: ...
@@ -138,7 +139,11 @@ class Telemetry:
             otlp_protocol=target.protocol if target else None,
             egress=[f"{a.source} -> {a.host} ({a.rule})" for a in allowed],
         )
-        return cls(Metrics(), tracing, capture_content=settings.trace_content)
+        return cls(
+            Metrics(vllm_names=settings.metrics_vllm_names),
+            tracing,
+            capture_content=settings.trace_content,
+        )
 
     def instrument(self, app: FastAPI) -> None:
         """Add the request middleware, the HTTP server span (if tracing) and ``GET /metrics``.
