@@ -31,6 +31,7 @@ from gateway.audit.sweep import slice_size, tick_seconds
 from gateway.backends.base import GenerationBackend, ReplicatedBackend
 from gateway.backends.local import LocalBackend
 from gateway.body_limit import BodySizeLimitMiddleware
+from gateway.console import router as console_router
 from gateway.db import (
     DatabaseTimeouts,
     is_sqlite,
@@ -52,6 +53,10 @@ from gateway.offload import Offload
 from gateway.privacy.kek import KeyEncryptionKey
 from gateway.privacy.processing_record import record_at_startup
 from gateway.privacy.store import PrivacyStore
+from gateway.quota_gate import QuotaGate
+from gateway.quota_windows import QuotaWindows
+from gateway.quotas import QuotaStore
+from gateway.rate_limit_headers import RateLimitHeaders
 from gateway.recording import (
     append_durably,
     fallback_recorder,
@@ -71,6 +76,8 @@ from gateway.routes import (
     tokenize,
 )
 from gateway.routes import privacy as privacy_routes
+from gateway.routes import quotas as quota_routes
+from gateway.routes import usage as usage_routes
 from gateway.served_models import load_models
 from gateway.settings import ConfigError, Settings, engine_config
 from gateway.spool import EventSpool
@@ -230,6 +237,9 @@ def start_services(
         privacy=privacy,
         key_cache=KeyCache(settings.key_cache_ttl_s),
         leases=leases,
+        quotas=QuotaGate(
+            QuotaStore(db, audit_log), QuotaWindows(db), offload, settings.key_cache_ttl_s
+        ),
     )
 
 
@@ -392,6 +402,7 @@ def create_app(
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
     )
+    app.add_middleware(RateLimitHeaders)
     telemetry.instrument(app)
     install_error_handlers(app)
     for module in (
@@ -403,8 +414,11 @@ def create_app(
         audit_alarm,
         privacy_routes,
         admin,
+        quota_routes,
+        usage_routes,
         health,
     ):
         app.include_router(module.router)
+    app.include_router(console_router)
     openapi.install(app)
     return app

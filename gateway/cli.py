@@ -11,6 +11,7 @@ from engine.training.heads.cli import heads_app
 from gateway.cli_admin import audit_app, db_app, keys_app
 from gateway.cli_privacy import compliance_app, privacy_app
 from gateway.cli_serve import serve
+from gateway.cli_teams import teams_app
 
 app = typer.Typer(
     help="Specgate: an audited, speculative-decoding LLM gateway.", no_args_is_help=True
@@ -22,6 +23,7 @@ app.add_typer(models_app, name="models", help="Build and inspect model checkpoin
 app.add_typer(heads_app, name="heads", help="Train draft heads (Medusa) on a target.")
 app.add_typer(db_app, name="db", help="Database migrations.")
 app.add_typer(keys_app, name="keys", help="API keys and roles.")
+app.add_typer(teams_app, name="teams", help="Teams and their quotas.")
 app.add_typer(audit_app, name="audit", help="Audit log verification.")
 app.add_typer(privacy_app, name="privacy", help="Erasure, legal holds, retention, the KEK.")
 app.add_typer(compliance_app, name="compliance", help="Reports for the records of processing.")

@@ -18,6 +18,9 @@ import typer
 from gateway.audit.witness import DEFAULT_MAX_CHECKPOINT_AGE_S
 
 if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+    from gateway.audit.log import AuditLog
     from gateway.keys import KeyStore
 
 db_app = typer.Typer(no_args_is_help=True)
@@ -70,13 +73,22 @@ def _cli_actor() -> str:
 
 @contextmanager
 def _key_store(database_url: str | None) -> Iterator[KeyStore]:
+    from gateway.keys import KeyStore
+
+    with audited_store(database_url) as (db, audit):
+        yield KeyStore(db, audit)
+
+
+@contextmanager
+def audited_store(database_url: str | None) -> Iterator[tuple[sa.Engine, AuditLog]]:
+    """The database and an audit log holding the gateway's MAC key, for commands that write
+    audited changes; exits with a one-line error where either cannot be had."""
     import sqlalchemy as sa
 
     from gateway.audit.head_mac import head_mac_problem
     from gateway.audit.log import AuditLog, AuditUnavailableError
     from gateway.audit.mac import EventMac, MacKeyError
     from gateway.db import is_sqlite, make_db_engine, upgrade_database
-    from gateway.keys import KeyStore
     from gateway.settings import load_settings
 
     url = _resolve_url(database_url)
@@ -93,7 +105,7 @@ def _key_store(database_url: str | None) -> Iterator[KeyStore]:
             problem = head_mac_problem(connection, mac)
         if problem is not None:
             raise MacKeyError(f"{problem} ({mac_path})")
-        yield KeyStore(db, AuditLog(db, mac=mac))
+        yield db, AuditLog(db, mac=mac)
     except MacKeyError as error:
         typer.echo(
             f"error: {error}; key events must carry the gateway's MAC: run this where the "

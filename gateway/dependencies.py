@@ -27,6 +27,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.observability.telemetry import Telemetry
 from gateway.offload import Offload
 from gateway.privacy.store import PrivacyStore
+from gateway.quota_gate import QuotaGate
 from gateway.refusals import RefusalLog
 from gateway.served_models import ServedModels
 from gateway.settings import Settings
@@ -52,6 +53,7 @@ class Services:
     privacy: PrivacyStore
     key_cache: KeyCache
     leases: Leases
+    quotas: QuotaGate
 
     @property
     def backend(self) -> GenerationBackend:

@@ -64,6 +64,7 @@ from gateway.lifecycle import ShutdownError
 from gateway.observability.telemetry import CompletionTelemetry
 from gateway.privacy.commitments import CommitmentKey, DataKey, text_bytes, token_id_bytes
 from gateway.privacy.store import SealedContent, key_owner_subject, user_subject
+from gateway.quota_gate import Ticket
 from gateway.recording import (
     append_durably,
     combined_stats,
@@ -670,6 +671,7 @@ class AuditedGeneration:
     model: ServedModel
     job: Job
     slots: Slots | None = None
+    quota: Ticket | None = None  # charged the tokens served when the request closes
     started: float = field(default_factory=time.perf_counter)
     request_event: AppendedEvent | None = None
     choices: list[_ChoiceState] = field(default_factory=list)
@@ -756,6 +758,8 @@ class AuditedGeneration:
                 chat_template=job.prompt.template,
             )
             payload["instance_id"] = services.instance_id
+            if self.principal.team is not None:
+                payload["team"] = self.principal.team
             if self.data_key is None:
                 attempt = services.appender.submit("request", self.principal.key_id, payload)
             else:
@@ -990,6 +994,9 @@ class AuditedGeneration:
                 meanwhile()
 
         services = self.services
+        charging = None
+        if self.quota is not None:
+            charging = services.quotas.charge(self.quota, self.usage()["total_tokens"])
         try:
             with telemetry.activate():
                 await append_durably(
@@ -1004,6 +1011,8 @@ class AuditedGeneration:
                 )
         finally:
             telemetry.end()
+            if charging is not None:
+                await services.quotas.settle(charging)
 
     def _record_outcome(self, telemetry: CompletionTelemetry, outcome: str) -> None:
         stats = self.stats()

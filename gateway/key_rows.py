@@ -5,7 +5,8 @@ key row is accepted only when two checks pass, on every lookup that reaches the 
 (``KeyStore.authenticate``; the key cache only remembers what passed them):
 
 1. **The row's MAC.** ``row_mac`` is HMAC-SHA256 over the row's security-relevant columns (key
-   id, secret hash, name, role, creation and revocation times, content choice, version) as
+   id, secret hash, name, role, creation and revocation times, content choice, version, and
+   the team where there is one: a key moved to a team with a larger quota fails it) as
    canonical JSON, under a sub-key of the audit MAC key, HMAC(key, ``specgate api_keys v1``):
    a row MAC never verifies as an event MAC, nor the reverse. A promoted role, a swapped
    secret hash, or a row inserted with a secret of the attacker's choice (even with another
@@ -69,6 +70,9 @@ _EVENT_KEY_ID = {
 def row_bytes(row: Mapping[Any, Any]) -> bytes:
     """The canonical bytes a key row's MAC is computed over."""
     fields = {name: row[name] for name in SEALED_COLUMNS}
+    if row.get("team_id") is not None:
+        # Only when set, so that the rows sealed before teams (migration 0007) keep their MAC.
+        fields["team_id"] = row["team_id"]
     for moment in ("created_at", "revoked_at"):
         if fields[moment] is not None:
             fields[moment] = format_timestamp(fields[moment])

@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from gateway.audit.log import AuditLog, AuditUnavailableError, TamperDetectedError
-from gateway.audit.schema import api_keys
+from gateway.audit.schema import api_keys, teams
 from gateway.db import execute_first, once_more_if_ended, read_connection, write_connection
 from gateway.key_rows import RowSeal, keys_with_newest_event, newest_event, unsealed_row_problem
 
@@ -47,6 +47,7 @@ class Principal:
     name: str
     role: Role
     store_content: bool | None = None
+    team: str | None = None
 
 
 def hash_key(plaintext: str) -> str:
@@ -130,10 +131,37 @@ class KeyStore:
                 problem = self._seal.problem(row._mapping, newest_event(row))
                 if problem is None:
                     version = self._rewrite(connection, row, store_content=store_content)
-                    key = Principal(row.key_id, row.name, row.role, store_content)
+                    key = Principal(row.key_id, row.name, row.role, store_content, row.team_id)
                     self._record(
                         connection, actor, "updated", key, version=version, always_content=True
                     )
+        except SQLAlchemyError as exc:
+            raise AuditUnavailableError(f"key store unavailable: {exc}") from exc
+        if problem is not None:
+            self._alarm(row.key_id, problem)
+            raise KeyStoreError(f"{problem}: revoke it")
+        return key
+
+    def set_team(self, key_id_or_name: str, team: str | None, actor: str) -> Principal:
+        """Move an active key into ``team`` (None: out of any), as a `key` event (action
+        ``team``) with the row's new version; the team must exist (``gateway.teams``)."""
+        problem = None
+        try:
+            with write_connection(self._db) as connection, connection.begin():
+                row = self._active_row(connection, key_id_or_name)
+                if (
+                    team is not None
+                    and connection.execute(
+                        sa.select(teams.c.team_id).where(teams.c.team_id == team)
+                    ).first()
+                    is None
+                ):
+                    raise KeyStoreError(f"no team named {team!r}")
+                problem = self._seal.problem(row._mapping, newest_event(row))
+                if problem is None:
+                    version = self._rewrite(connection, row, team_id=team)
+                    key = Principal(row.key_id, row.name, row.role, row.store_content, team)
+                    self._record(connection, actor, "team", key, version=version, team=True)
         except SQLAlchemyError as exc:
             raise AuditUnavailableError(f"key store unavailable: {exc}") from exc
         if problem is not None:
@@ -148,12 +176,13 @@ class KeyStore:
         try:
             with self._db.connect() as connection:
                 rows = connection.execute(
-                    sa.select(keys.key_id, keys.name, keys.role, keys.store_content)
+                    sa.select(keys.key_id, keys.name, keys.role, keys.store_content, keys.team_id)
                     .where(keys.revoked_at.is_(None))
                     .order_by(keys.created_at, keys.key_id)
                 )
                 return [
-                    Principal(row.key_id, row.name, row.role, row.store_content) for row in rows
+                    Principal(row.key_id, row.name, row.role, row.store_content, row.team_id)
+                    for row in rows
                 ]
         except SQLAlchemyError as exc:
             raise AuditUnavailableError(f"key store unavailable: {exc}") from exc
@@ -180,7 +209,7 @@ class KeyStore:
         if problem is not None:
             self._alarm(row.key_id, problem)
             return None
-        return Principal(row.key_id, row.name, row.role, row.store_content)
+        return Principal(row.key_id, row.name, row.role, row.store_content, row.team_id)
 
     def seal_unsealed(self, actor: str) -> Sequence[str]:
         """Seal the active rows from before row MACs (migration 0006) that agree with their
@@ -255,6 +284,7 @@ class KeyStore:
         key: Principal,
         version: int,
         always_content: bool = False,
+        team: bool = False,
     ) -> None:
         """The `key` event, with the row's new version; ``store_content`` where set (always
         for a change of it, null meaning the server's setting)."""
@@ -267,4 +297,6 @@ class KeyStore:
         }
         if always_content or key.store_content is not None:
             payload["store_content"] = key.store_content
+        if team or key.team is not None:
+            payload["team"] = key.team
         self._audit.append_in(connection, "key", actor, payload)

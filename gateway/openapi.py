@@ -33,14 +33,17 @@ _DESCRIPTIONS = {
     400: "Invalid request (OpenAI error shape; `param` names the parameter).",
     401: "Missing or unknown API key.",
     403: "The key's role may not use this endpoint.",
-    404: "Unknown model, key or audit event.",
+    404: "Unknown model, key, team or audit event.",
     408: "The request body did not arrive in time.",
     409: (
-        "A key with this name exists, a replay is refused (content erased or never stored), "
-        "or a tamper alarm is not cleared (none stands, or the history is still short)."
+        "A key or team with this name exists, a replay is refused (content erased or never "
+        "stored), or a tamper alarm is not cleared (none stands, or the history is still short)."
     ),
     413: "The request body is over the size limit.",
-    429: "The request queue is full; retry after `Retry-After` seconds.",
+    429: (
+        "The request queue is full, or a quota's limit is reached (`rate_limit_exceeded`, "
+        "`insufficient_quota`); retry after `Retry-After` seconds."
+    ),
     503: "The audit store or the engine is unavailable, or the gateway is shutting down.",
 }
 _AUTHENTICATED = (400, 401, 403, 503)
@@ -62,12 +65,22 @@ _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/audit/replay/{event_id}"): (404, 409),
     ("post", "/v1/audit/cosignature"): _BODY,
     ("post", "/v1/admin/audit/alarm/clear"): (409, *_BODY),
+    ("get", "/v1/admin/keys/{key}/quota"): (404,),
+    ("put", "/v1/admin/keys/{key}/quota"): (404, *_BODY),
+    ("put", "/v1/admin/keys/{key}/team"): (404, *_BODY),
+    ("post", "/v1/admin/teams"): (409, *_BODY),
+    ("get", "/v1/admin/teams/{team}/quota"): (404,),
+    ("put", "/v1/admin/teams/{team}/quota"): (404, *_BODY),
 }
 _STRING = {"schema": {"type": "string"}}
 _SUCCESS_CONTENT: dict[tuple[str, str], dict[str, Any]] = {
     ("get", "/v1/audit/export"): {"application/x-ndjson": _STRING, "text/csv": _STRING},
     ("get", "/v1/audit/public-key"): {"application/x-pem-file": _STRING},
     ("get", "/v1/audit/checkpoint"): {"text/plain": _STRING},
+    ("get", "/v1/admin/usage"): {
+        "application/json": {"schema": {"type": "object"}},
+        "text/csv": _STRING,
+    },
 }
 _STREAMS = {
     ("post", "/v1/chat/completions"),

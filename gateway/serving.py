@@ -63,8 +63,8 @@ class AuditedStream(StreamingResponse):
 async def start(
     body: ChatCompletionRequest | CompletionRequest, principal: Principal, services: Services
 ) -> AuditedGeneration:
-    """Route to the model the request names (or 404), admit (or 429 at once), then template
-    and tokenize off the event loop."""
+    """Route to the model the request names (or 404), admit (or 429 at once) and check the
+    key's quotas (or 429), then template and tokenize off the event loop."""
     if services.lifecycle.stopping:
         services.refusals.count(principal.key_id, "shutting_down")
         raise shutting_down("The gateway is shutting down; retry on another instance.")
@@ -73,6 +73,15 @@ async def start(
         slots = services.admission.admit(body.n)
     except APIError as refusal:
         services.refusals.count(principal.key_id, refusal.code or "queue_full")
+        raise
+    try:
+        ticket = await services.quotas.admit(principal)
+    except APIError as refusal:
+        slots.release()
+        services.refusals.count(principal.key_id, refusal.code or "rate_limit_exceeded")
+        raise
+    except BaseException:
+        slots.release()
         raise
     try:
         job = await services.offload.prepare(
@@ -87,7 +96,7 @@ async def start(
     except BaseException:
         slots.release()
         raise
-    return AuditedGeneration(services, principal, model, job, slots)
+    return AuditedGeneration(services, principal, model, job, slots, quota=ticket)
 
 
 async def serve_stream(

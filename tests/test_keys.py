@@ -160,8 +160,8 @@ def test_db_upgrade_cli_creates_schema_from_any_directory(
     engine.dispose()
     assert {"audit_events", "api_keys", "audit_merkle_nodes", "audit_head"} <= tables
     assert {"privacy_data_keys", "privacy_content", "privacy_holds"} <= tables
-    assert "instance_leases" in tables
-    assert version == "0006"
+    assert {"instance_leases", "teams", "quota_windows"} <= tables
+    assert version == "0007"
 
 
 def test_cli_on_a_fresh_laptop_migrates_sqlite_and_names_missing_postgres_migrations(

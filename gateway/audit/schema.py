@@ -66,4 +66,16 @@ api_keys = sa.Table(
     # event records, and its MAC under a sub-key of the audit MAC key (NULL: not sealed yet).
     sa.Column("version", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("row_mac", sa.String(64), nullable=True),
+    # Migration 0007 (``gateway.teams``): the team the key belongs to, if any; sealed by the
+    # row MAC when set, so that a key cannot be moved to another team's quota unseen.
+    sa.Column("team_id", sa.String(100), nullable=True),
+)
+
+# Migration 0007 (``gateway.teams``): the teams keys may belong to. What a team may use is
+# its newest `quota` audit event (``gateway.quotas``), not a column.
+teams = sa.Table(
+    "teams",
+    metadata,
+    sa.Column("team_id", sa.String(100), primary_key=True),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
 )
