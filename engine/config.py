@@ -13,6 +13,7 @@ from engine.speculation import methods
 from engine.speculation.methods import RegisteredMethod
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
+ToolCallParser = Literal["hermes", "llama3_json", "mistral"]
 
 
 class SpeculativeConfig(BaseModel):
@@ -26,7 +27,11 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    method: RegisteredMethod = "none"
+    method: RegisteredMethod = Field(
+        default="none",
+        description="Default speculation: none or a registered method "
+        "(engine.speculation.methods).",
+    )
     num_speculative_tokens: int | None = Field(
         default=None,
         ge=1,
@@ -34,10 +39,17 @@ class SpeculativeConfig(BaseModel):
         description="Fixed K; None lets the engine adapt K per request.",
     )
     max_speculative_tokens: int = Field(
-        default=MAX_SPECULATIVE_TOKENS, ge=1, le=MAX_SPECULATIVE_TOKENS
+        default=MAX_SPECULATIVE_TOKENS,
+        ge=1,
+        le=MAX_SPECULATIVE_TOKENS,
+        description="Upper bound of adaptive K.",
     )
-    prompt_lookup_min: int = Field(default=1, ge=1)
-    prompt_lookup_max: int = Field(default=4, ge=1)
+    prompt_lookup_min: int = Field(
+        default=1, ge=1, description="Shortest n-gram that n-gram lookup matches (vLLM's name)."
+    )
+    prompt_lookup_max: int = Field(
+        default=4, ge=1, description="Longest n-gram that n-gram lookup matches (vLLM's name)."
+    )
     draft_confidence_threshold: float = Field(
         default=0.0,
         ge=0.0,
@@ -114,14 +126,18 @@ class SpeculativeConfig(BaseModel):
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    target: Path
-    draft: Path | None = None
+    target: Path = Field(description="Target model directory.")
+    draft: Path | None = Field(default=None, description="Draft model directory.")
     heads: Path | None = Field(
         default=None,
         description="Medusa or EAGLE heads trained on the target (specgate heads train).",
     )
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
-    dtype: DType = "auto"
+    dtype: DType = Field(
+        default="auto",
+        description="The dtype the target is served in: auto, bfloat16, float16 or float32 "
+        "(auto: bfloat16 on CUDA; on CPU the one measured to decode faster).",
+    )
     device: str | None = Field(
         default=None, description="cuda, cpu, ...; None picks CUDA if present."
     )
@@ -177,14 +193,17 @@ class EngineConfig(BaseModel):
         "each; every slot's cache grows on its own up to its reservation) and its own fit. "
         "None: no bound beyond max_num_seqs x the context window.",
     )
-    served_model_name: str | None = None
+    served_model_name: str | None = Field(
+        default=None,
+        description="The model id clients send (their `model`); None: the target directory's name.",
+    )
     translate_draft_tokens: bool = Field(
         default=False,
         description="Accept a draft whose tokenizer differs from the target's: its output is "
         "re-tokenized into the target's ids and proposed as a deterministic guess (Hugging "
         "Face's universal assisted decoding). Off: such a draft is refused at load.",
     )
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+    tool_call_parser: ToolCallParser | None = Field(
         default=None,
         description="How tool calls are read from the output (vLLM's --tool-call-parser); "
         "None: chosen from the chat template.",

@@ -1,5 +1,6 @@
 """``specgate serve``: run the gateway. Flags win over ``SPECGATE_*`` variables, which win over
-the ``--config`` YAML file; with no flags at all it serves the demo pair with SQLite."""
+the ``--config`` YAML file; with no flags at all it serves the demo pair with SQLite. The engine
+knobs' help is their ``EngineConfig`` description (``gateway.knobs``)."""
 
 from __future__ import annotations
 
@@ -8,60 +9,54 @@ from typing import Annotated
 
 import typer
 
+from gateway.knobs import knob_help
+
 
 def serve(
     config: Annotated[
         Path | None, typer.Option("--config", help="YAML file; keys are setting names.")
     ] = None,
-    target: Annotated[
-        Path | None, typer.Option(help="Target model directory (default: demo pair).")
-    ] = None,
-    draft: Annotated[Path | None, typer.Option(help="Draft model directory.")] = None,
-    heads: Annotated[
-        Path | None, typer.Option(help="Medusa or EAGLE heads directory (specgate heads train).")
-    ] = None,
-    method: Annotated[
-        str | None,
-        typer.Option(
-            help="Default speculation: none or a registered method (engine.speculation.methods)."
-        ),
-    ] = None,
+    target: Annotated[Path | None, typer.Option(help=knob_help("target"))] = None,
+    draft: Annotated[Path | None, typer.Option(help=knob_help("draft"))] = None,
+    heads: Annotated[Path | None, typer.Option(help=knob_help("heads"))] = None,
+    method: Annotated[str | None, typer.Option(help=knob_help("method"))] = None,
     num_speculative_tokens: Annotated[
-        int | None, typer.Option(help="Fixed K; unset lets the engine adapt K.")
+        int | None, typer.Option(help=knob_help("num_speculative_tokens"))
     ] = None,
     speculative_config: Annotated[
         str | None, typer.Option(help="vLLM-style --speculative-config JSON.")
     ] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="Model id clients send.")] = None,
-    device: Annotated[
-        str | None, typer.Option(help="cuda, cpu, ... (default: CUDA if present).")
+    served_model_name: Annotated[
+        str | None, typer.Option(help=knob_help("served_model_name"))
     ] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto, bfloat16, float16 or float32.")] = None,
-    max_num_seqs: Annotated[
-        int | None, typer.Option(help="Sequences decoded together in one batch (vLLM's name).")
-    ] = None,
+    device: Annotated[str | None, typer.Option(help=knob_help("device"))] = None,
+    dtype: Annotated[str | None, typer.Option(help=knob_help("dtype"))] = None,
+    max_queue: Annotated[int | None, typer.Option(help=knob_help("max_queue"))] = None,
+    cpu_threads: Annotated[int | None, typer.Option(help=knob_help("cpu_threads"))] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(help=knob_help("max_num_seqs"))] = None,
     max_num_batched_tokens: Annotated[
-        int | None,
-        typer.Option(help="Rows per batched step, prompt chunks included (vLLM's name)."),
+        int | None, typer.Option(help=knob_help("max_num_batched_tokens"))
     ] = None,
     long_prefill_token_threshold: Annotated[
-        int | None,
-        typer.Option(help="Most prompt tokens one request prefills per step (vLLM's name)."),
+        int | None, typer.Option(help=knob_help("long_prefill_token_threshold"))
     ] = None,
     max_prefill_chunk_seconds: Annotated[
-        float | None,
-        typer.Option(
-            help="Most seconds one prefill chunk pass should take: chunks are cut below "
-            "--long-prefill-token-threshold where the measured cost per token would overrun it."
-        ),
+        float | None, typer.Option(help=knob_help("max_prefill_chunk_seconds"))
     ] = None,
     batch_invariant: Annotated[
         bool | None,
+        typer.Option("--batch-invariant/--no-batch-invariant", help=knob_help("batch_invariant")),
+    ] = None,
+    max_kv_tokens: Annotated[int | None, typer.Option(help=knob_help("max_kv_tokens"))] = None,
+    translate_draft_tokens: Annotated[
+        bool | None,
         typer.Option(
-            "--batch-invariant/--no-batch-invariant",
-            help="Run each batched sequence in a pass of its own: its output does not depend "
-            "on the batch (slower).",
+            "--translate-draft-tokens/--no-translate-draft-tokens",
+            help=knob_help("translate_draft_tokens"),
         ),
+    ] = None,
+    tool_call_parser: Annotated[
+        str | None, typer.Option(help=knob_help("tool_call_parser"))
     ] = None,
     database_url: Annotated[
         str | None,
@@ -124,6 +119,11 @@ def serve(
             long_prefill_token_threshold=long_prefill_token_threshold,
             max_prefill_chunk_seconds=max_prefill_chunk_seconds,
             batch_invariant=batch_invariant,
+            max_queue=max_queue,
+            cpu_threads=cpu_threads,
+            max_kv_tokens=max_kv_tokens,
+            translate_draft_tokens=translate_draft_tokens,
+            tool_call_parser=tool_call_parser,
             database_url=database_url,
             migrate=migrate,
             host=host,

@@ -30,12 +30,18 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from engine.api.types import MAX_SPECULATIVE_TOKENS
-from engine.config import DType, EngineConfig, SpeculativeConfig, speculative_config_from_vllm
+from engine.config import (
+    DType,
+    EngineConfig,
+    SpeculativeConfig,
+    ToolCallParser,
+    speculative_config_from_vllm,
+)
 from engine.speculation import methods
 from engine.speculation.methods import RegisteredMethod
 from gateway.audit.log import APPEND_LOCK_TIMEOUT_S
 from gateway.audit.signing import DEFAULT_ORIGIN
+from gateway.knobs import KNOBS, knob
 from gateway.privacy.store import RETENTION_DAYS_DEFAULT
 
 
@@ -117,89 +123,35 @@ class ModelSettings(BaseModel):
 
     backend: BackendSettings = Field(default_factory=BackendSettings)
 
-    target: Path | None = Field(
-        default=None, description="Target model directory; None serves the demo pair."
-    )
-    draft: Path | None = None
-    heads: Path | None = Field(
-        default=None, description="Medusa or EAGLE heads directory (specgate heads train)."
-    )
-    method: RegisteredMethod | None = Field(
-        default=None,
-        description="Default speculation; None: 'draft' when a draft is loaded, else 'none'.",
-    )
-    num_speculative_tokens: int | None = Field(default=None, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    # The engine's knobs: each declared by its EngineConfig field (gateway.knobs).
+    target: Path | None = knob("target")
+    draft: Path | None = knob("draft")
+    heads: Path | None = knob("heads")
+    method: RegisteredMethod | None = knob("method")
+    num_speculative_tokens: int | None = knob("num_speculative_tokens")
     speculative_config: str | None = Field(
         default=None, description="vLLM --speculative-config JSON."
     )
-    max_speculative_tokens: int = Field(
-        default=MAX_SPECULATIVE_TOKENS,
-        ge=1,
-        le=MAX_SPECULATIVE_TOKENS,
-        description="Upper bound of adaptive k.",
-    )
-    prompt_lookup_min: int | None = Field(default=None, ge=1)
-    prompt_lookup_max: int | None = Field(default=None, ge=1)
-    draft_confidence_threshold: float = Field(
-        default=0.0,
-        ge=0.0,
-        le=1.0,
-        description="With adaptive k, the draft stops after a token it is less sure of.",
-    )
-    acceptance_threshold: float = Field(
-        default=0.6, ge=0.0, le=1.0, description="Switch a method off below this acceptance rate."
-    )
-    fallback_window_tokens: int = Field(
-        default=256, ge=8, description="Draft tokens in the rolling acceptance window."
-    )
-    fallback_probe_interval: int = Field(
-        default=8, ge=1, description="While a method is off, every Nth request probes it."
-    )
-    disable_by_queue_depth: int | None = Field(
-        default=None, ge=1, description="Decode plainly while this many requests wait."
-    )
-    dtype: DType = "auto"
-    device: str | None = None
-    max_num_seqs: int = Field(
-        default=16, ge=1, le=256, description="Sequences decoded together in one batch."
-    )
-    max_num_batched_tokens: int = Field(
-        default=512, ge=16, description="Rows per batched step, prompt chunks included."
-    )
-    long_prefill_token_threshold: int = Field(
-        default=128, ge=1, description="Most prompt tokens one request prefills per step."
-    )
-    max_prefill_chunk_seconds: float | None = Field(
-        default=EngineConfig.model_fields["max_prefill_chunk_seconds"].default,
-        gt=0,
-        description="Most seconds one prefill chunk pass should take, at the measured cost "
-        "per prompt token (bounds a request's wait behind a long prompt).",
-    )
-    batch_invariant: bool = Field(
-        default=False, description="Each batched sequence in a pass of its own (slower)."
-    )
-    max_kv_tokens: int | None = Field(
-        default=None, ge=1, description="KV budget in cached positions over all batch slots."
-    )
-    fallback_min_speedup: float = Field(
-        default=1.0,
-        ge=0.0,
-        description="Switch a method off while its estimated speedup stays below this (0: never).",
-    )
-    acceptance_thresholds: dict[RegisteredMethod, float] = Field(
-        default_factory=dict,
-        description="Acceptance threshold per method, e.g. {\"ngram\": 0.3}; by default only "
-        "the draft model has one (acceptance_threshold).",
-    )
-    translate_draft_tokens: bool = Field(
-        default=False,
-        description="Accept a draft with another tokenizer (its text re-tokenized for the target).",
-    )
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
-        default=None,
-        description="How tool calls are read from the output (vLLM's --tool-call-parser); "
-        "unset: chosen from the model's chat template.",
-    )
+    max_speculative_tokens: int = knob("max_speculative_tokens")
+    prompt_lookup_min: int | None = knob("prompt_lookup_min")
+    prompt_lookup_max: int | None = knob("prompt_lookup_max")
+    draft_confidence_threshold: float = knob("draft_confidence_threshold")
+    acceptance_threshold: float = knob("acceptance_threshold")
+    fallback_window_tokens: int = knob("fallback_window_tokens")
+    fallback_probe_interval: int = knob("fallback_probe_interval")
+    disable_by_queue_depth: int | None = knob("disable_by_queue_depth")
+    dtype: DType = knob("dtype")
+    device: str | None = knob("device")
+    max_num_seqs: int = knob("max_num_seqs")
+    max_num_batched_tokens: int = knob("max_num_batched_tokens")
+    long_prefill_token_threshold: int = knob("long_prefill_token_threshold")
+    max_prefill_chunk_seconds: float | None = knob("max_prefill_chunk_seconds")
+    batch_invariant: bool = knob("batch_invariant")
+    max_kv_tokens: int | None = knob("max_kv_tokens")
+    fallback_min_speedup: float = knob("fallback_min_speedup")
+    acceptance_thresholds: dict[RegisteredMethod, float] = knob("acceptance_thresholds")
+    translate_draft_tokens: bool = knob("translate_draft_tokens")
+    tool_call_parser: ToolCallParser | None = knob("tool_call_parser")
 
     @field_validator("speculative_config")
     @classmethod
@@ -262,11 +214,9 @@ class Settings(BaseSettings, ModelSettings):
         description="Several models, each with its name, aliases and backend; empty: the one "
         "model the top level describes.",
     )
-    served_model_name: str | None = Field(
-        default=None, description="The one model's name; None: its directory's or vLLM's."
-    )
-    max_queue: int = Field(default=64, ge=1)
-    cpu_threads: int | None = Field(default=None, ge=1, description="torch CPU threads.")
+    served_model_name: str | None = knob("served_model_name")
+    max_queue: int = knob("max_queue")
+    cpu_threads: int | None = knob("cpu_threads")
 
     data_dir: Path = Field(default_factory=_default_data_dir)
     instance_id: str | None = Field(
@@ -667,48 +617,34 @@ def engine_config(settings: Settings) -> EngineConfig:
     if method is None and settings.speculative_config is None:
         # The method of the artefact given (engine.speculation.methods.default_method); the demo
         # serves with n-gram lookup until its draft is built.
-        method = methods.default_method(given) or (
-            "ngram" if demo_without_draft else "none"
-        )
+        method = methods.default_method(given) or ("ngram" if demo_without_draft else "none")
+    # Every other knob as given; a speculative one left unset (None) keeps the engine's
+    # default or the --speculative-config's value.
     updates: dict[str, Any] = {
-        "max_speculative_tokens": settings.max_speculative_tokens,
-        "acceptance_threshold": settings.acceptance_threshold,
-        "draft_confidence_threshold": settings.draft_confidence_threshold,
-        "window_tokens": settings.fallback_window_tokens,
-        "probe_interval_requests": settings.fallback_probe_interval,
-        "min_speedup": settings.fallback_min_speedup,
-        "acceptance_thresholds": settings.acceptance_thresholds,
+        entry.field: getattr(settings, name)
+        for name, entry in KNOBS.items()
+        if entry.owner is SpeculativeConfig
+        and name != "method"
+        and getattr(settings, name) is not None
     }
-    optional = {
-        "prompt_lookup_min": settings.prompt_lookup_min,
-        "prompt_lookup_max": settings.prompt_lookup_max,
-        "disable_by_queue_depth": settings.disable_by_queue_depth,
-    }
-    updates.update({key: value for key, value in optional.items() if value is not None})
     if method is not None:
         updates["method"] = method
-    if settings.num_speculative_tokens is not None:
-        updates["num_speculative_tokens"] = settings.num_speculative_tokens
+    knobs: dict[str, Any] = {
+        entry.field: getattr(settings, name)
+        for name, entry in KNOBS.items()
+        if entry.owner is EngineConfig
+    }
+    knobs.update(
+        target=target,
+        draft=draft,
+        heads=heads,
+        served_model_name=settings.served_model_name
+        or (DEMO_MODEL_NAME if settings.target is None else None),
+    )
     try:
         return EngineConfig(
-            target=target,
-            draft=draft,
-            heads=heads,
+            **knobs,
             speculative=SpeculativeConfig.model_validate({**speculative.model_dump(), **updates}),
-            dtype=settings.dtype,
-            device=settings.device,
-            max_queue=settings.max_queue,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            long_prefill_token_threshold=settings.long_prefill_token_threshold,
-            batch_invariant=settings.batch_invariant,
-            max_prefill_chunk_seconds=settings.max_prefill_chunk_seconds,
-            max_kv_tokens=settings.max_kv_tokens,
-            cpu_threads=settings.cpu_threads,
-            served_model_name=settings.served_model_name
-            or (DEMO_MODEL_NAME if settings.target is None else None),
-            translate_draft_tokens=settings.translate_draft_tokens,
-            tool_call_parser=settings.tool_call_parser,
         )
     except ValidationError as error:
         artefact = methods.spec(method).artefact if method is not None else None
