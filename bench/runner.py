@@ -6,6 +6,7 @@ import functools
 import os
 import platform
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,22 +80,12 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engines: list[Engin
         if method != "none"
     }
 
-    runs: RunTable = defaultdict(list)
-    total = setup.repeats * len(prompts) * len(variants)
-    with Progress() as progress:
-        task = progress.add_task("benchmark", total=total)
-        for repeat in range(setup.repeats):
-            cost_samples.append(
-                measure_pass_costs(
-                    target, engine_draft, context, setup.fixed_k, proposers=proposers
-                )
-            )
-            for index, prompt in enumerate(prompts):
-                shift = (repeat + index) % len(variants)
-                for variant in variants[shift:] + variants[:shift]:
-                    run = generator.run(variant, prompt.prompt_ids, prompt.max_tokens)
-                    runs[(prompt.workload, prompt.name, variant)].append(run)
-                    progress.advance(task)
+    def before_repeat(_repeat: int) -> None:
+        cost_samples.append(
+            measure_pass_costs(target, engine_draft, context, setup.fixed_k, proposers=proposers)
+        )
+
+    runs = interleaved_runs(generator, variants, prompts, setup.repeats, before_repeat)
     costs = median_costs(cost_samples)
     memory = extra_memory(setup, target, engine_draft, methods)
     divergences = find_divergences(
@@ -131,7 +122,37 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engines: list[Engin
         "extra memory": "what a method holds beside the target (draft model, heads, a "
         "draft vocabulary's copied head rows; not the KV cache) over the target's weights",
     }
-    return BenchRun(variants, dict(runs), costs, header, divergences, memory)
+    return BenchRun(variants, runs, costs, header, divergences, memory)
+
+
+def interleaved_runs(
+    generator: Generator,
+    variants: list[Variant],
+    prompts: list[BenchPrompt],
+    repeats: int,
+    before_repeat: Callable[[int], None] | None = None,
+    label: str = "benchmark",
+) -> RunTable:
+    """Every variant on every prompt, ``repeats`` times, keyed by (workload, name, variant).
+    Each repeat visits every prompt; per prompt the variants run in a rotating order so that
+    slow phases of a noisy machine fall on every variant alike. A prompt's ``sampling`` (none:
+    greedy) applies to the Specgate variants."""
+    runs: RunTable = defaultdict(list)
+    total = repeats * len(prompts) * len(variants)
+    with Progress() as progress:
+        task = progress.add_task(label, total=total)
+        for repeat in range(repeats):
+            if before_repeat is not None:
+                before_repeat(repeat)
+            for index, prompt in enumerate(prompts):
+                shift = (repeat + index) % len(variants)
+                for variant in variants[shift:] + variants[:shift]:
+                    run = generator.run(
+                        variant, prompt.prompt_ids, prompt.max_tokens, prompt.sampling
+                    )
+                    runs[(prompt.workload, prompt.name, variant)].append(run)
+                    progress.advance(task)
+    return dict(runs)
 
 
 def serving_engines(engines: list[Engine]) -> dict[Method, Engine]:

@@ -86,15 +86,29 @@ class Generator:
         self.draft = draft
         self.end_ids = _end_ids(target)
 
-    def run(self, variant: Variant, prompt_ids: tuple[int, ...], max_tokens: int) -> Run:
+    def run(
+        self,
+        variant: Variant,
+        prompt_ids: tuple[int, ...],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+    ) -> Run:
+        """``sampling``: a Specgate variant's parameters (default: greedy, ``max_tokens``);
+        Hugging Face's variants always run greedily."""
         if variant.backend == "specgate":
-            return self._specgate(variant, prompt_ids, max_tokens)
+            return self._specgate(variant, prompt_ids, max_tokens, sampling)
         return self._hf(variant, prompt_ids, max_tokens)
 
-    def _specgate(self, variant: Variant, prompt_ids: tuple[int, ...], max_tokens: int) -> Run:
+    def _specgate(
+        self,
+        variant: Variant,
+        prompt_ids: tuple[int, ...],
+        max_tokens: int,
+        sampling: SamplingParams | None,
+    ) -> Run:
         request = GenerationRequest(
             prompt_ids=prompt_ids,
-            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            sampling=sampling or SamplingParams(max_tokens=max_tokens, temperature=0.0),
             speculative=SpeculativeChoice(method=variant.method, num_speculative_tokens=variant.k),
         )
         start = time.perf_counter()

@@ -18,6 +18,8 @@ from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.api.types import SamplingParams
+
 BUILTIN_DIR = Path(__file__).parent / "prompts"
 BUILTIN_SETS = ("chat", "code", "editing", "json")
 
@@ -28,9 +30,12 @@ class BenchPrompt:
     name: str
     prompt_ids: tuple[int, ...]
     max_tokens: int
+    # The Specgate variants' sampling parameters (None: greedy, max_tokens).
+    sampling: SamplingParams | None = None
 
 
-def _encode(request: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def encode_request(request: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The prompt token ids of a chat (``messages``) or completion (``prompt``) request body."""
     if "messages" in request:
         encoded = tokenizer.apply_chat_template(
             request["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
@@ -50,7 +55,7 @@ def load_prompts(
     for number, line in enumerate(lines[:limit], start=1):
         try:
             request = json.loads(line)
-            ids = _encode(request, tokenizer)
+            ids = encode_request(request, tokenizer)
         except (json.JSONDecodeError, ValueError) as exc:
             raise ValueError(f"{path}:{number}: {exc}") from None
         name = str(request.get("source") or f"{path.name}:{number}")
