@@ -228,14 +228,16 @@ def expand_runs(runs: Sequence[Sequence[int]]) -> tuple[int, ...]:
 
 
 def schedule_record(stats: GenerationStats | None) -> dict[str, Any] | None:
-    """How one choice was decoded: the method used, whether fallback was on, and the
-    number of tokens proposed at each target pass (run-length encoded)."""
+    """How one choice was decoded: the method used, whether fallback was on, the number of
+    tokens proposed at each target pass (run-length encoded), and the most sequences a step
+    of it shared (``GenerationStats.max_batch_size``)."""
     if stats is None:
         return None
     return {
         "method": stats.method,
         "fallback_active": stats.fallback_active,
         "proposal_lengths": run_lengths(stats.proposal_lengths),
+        "max_batch_size": stats.max_batch_size,
     }
 
 

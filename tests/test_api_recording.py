@@ -76,6 +76,7 @@ def test_completion_commits_to_text_under_a_key_and_never_holds_it() -> None:
         "method": "draft",
         "fallback_active": False,
         "proposal_lengths": [[3, 3], [0, 2], [5, 1]],
+        "max_batch_size": 1,
     }
     assert expand_runs(payload["schedules"][0]["proposal_lengths"]) == (3, 3, 3, 0, 0, 5)
     assert payload["speculative"]["acceptance_rate"] == 0.75

@@ -124,6 +124,18 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine: Engine) -> None:
         handle.result()
 
 
+def test_each_request_records_the_most_sequences_its_steps_shared(engine: Engine) -> None:
+    """What a replay needs to know: 1 for a request that ran alone, the batch it shared
+    otherwise (``GenerationStats.max_batch_size``, recorded in the completion event)."""
+    alone = engine.generate(make_request([5, 6, 7], "none", None, 8, temperature=0.0))
+    assert alone.stats.max_batch_size == 1
+    handles = [
+        engine.submit(make_request([30 + i, 31, 32], "none", None, 40, temperature=0.0))
+        for i in range(3)
+    ]
+    assert [handle.result().stats.max_batch_size for handle in handles] == [3, 3, 3]
+
+
 def test_concurrent_submitters_all_complete(engine: Engine) -> None:
     results: list[tuple[int, ...]] = []
     lock = threading.Lock()

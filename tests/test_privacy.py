@@ -304,6 +304,7 @@ def test_replay_is_bit_identical_for_each_method(
     assert response.status_code == 200, response.text
     report = response.json()
     assert report["replayed"] and report["match"], report
+    assert schedule["max_batch_size"] == report["choices"][0]["shared_batch"] == 1
 
 
 def test_replay_of_an_unseeded_sampled_request_uses_the_drawn_seed_and_schedule(

@@ -238,6 +238,10 @@ class GenerationStats:
     # Accepted tokens by position in the accepted path (vLLM's
     # spec_decode_num_accepted_tokens_per_pos): entry i counts steps that accepted > i tokens.
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # The most sequences that one step of this request's decoding ran with (1: alone every
+    # step); None where the backend cannot tell (a remote server). What a replay needs to know:
+    # outside the batch-invariant mode a step shared in bfloat16 can round differently.
+    max_batch_size: int | None = 1
 
     def record_step(self, proposed: int, accepted: int) -> None:
         """One target pass that verified ``proposed`` tokens and accepted ``accepted``."""

@@ -280,6 +280,8 @@ class BatchScheduler:
             return
         self.last_batch_size = len(active)
         for seq in active:
+            seq.stats.max_batch_size = max(seq.stats.max_batch_size or 1, len(active))
+        for seq in active:
             if not seq.started_decoding:
                 self._start_decoding(seq)
         lengths = self.proposal_lengths.lengths(

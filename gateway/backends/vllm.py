@@ -646,6 +646,7 @@ class VllmBackend:
             fallback_active=fallback,
             acceptance_source="per_request",
             replica=replica.url,
+            max_batch_size=None,  # vLLM does not say what shared the request's steps
         )
         if replica.pool != "speculative" or self._spec_method is None:
             return stats

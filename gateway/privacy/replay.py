@@ -2,14 +2,18 @@
 
 A `request` event records the effective seed, the requested method and K, the model and
 artefact versions and the speculative configuration; its `completion` event records, per
-choice, the method used, whether fallback was on and the tokens proposed at each target pass.
-Replaying with that schedule draws exactly what the original drew, so the same method and
-configuration give a bit-identical completion: the replay's keyed commitment must equal the
-recorded one. Where a version or the configuration differs, the replay names it and claims
-no match. Asked for another method (greedy only), it compares the tokens with the recorded
-ones and gives the first differing position; and, for each speculative output, where it first
-leaves plain greedy decoding with the target's logit gap there (``engine.speculation.divergence``:
-plain decoding is the reference the gap is measured against, re-run when neither output is plain).
+choice, the method used, whether fallback was on, the tokens proposed at each target pass and
+the most sequences one of its steps shared. Replaying with that schedule draws exactly what
+the original drew, so the same method and configuration give a bit-identical completion: the
+replay's keyed commitment must equal the recorded one, where the original ran alone, in
+float32, or in the batch-invariant mode. A choice whose steps shared a batch
+(``shared_batch`` above 1) in bfloat16 outside that mode may differ where a near-tie rounded
+the other way in the shared pass. Where a version or the configuration differs, the replay
+names it and claims no match. Asked for another method (greedy only), it compares the tokens
+with the recorded ones and gives the first differing position; and, for each speculative
+output, where it first leaves plain greedy decoding with the target's logit gap there
+(``engine.speculation.divergence``: plain decoding is the reference the gap is measured
+against, re-run when neither output is plain).
 """
 
 from __future__ import annotations
@@ -227,6 +231,9 @@ async def replay(
             "method": choice.method,
             "match": commitment == completion["completion_commitments"][index],
             "completion_tokens": len(result.token_ids),
+            # What the original's steps shared (None: unknown): outside the batch-invariant
+            # mode, a bfloat16 step shared with others may round a near-tie the other way.
+            "shared_batch": schedule.get("max_batch_size", 1),
         }
         if not entry["match"] and method is not None:
             entry["first_difference"] = first_difference(recorded_ids, result.token_ids)
