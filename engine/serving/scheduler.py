@@ -30,7 +30,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from opentelemetry import trace
@@ -40,6 +39,7 @@ from engine.models.batched_runner import Feed
 from engine.serving.logprobs import LogprobRecorder
 from engine.serving.output import OutputAssembler
 from engine.serving.prefill_pace import PrefillPace
+from engine.serving.request_handle import RequestHandle
 from engine.serving.step import StepRow, StepRunner, run_step
 from engine.speculation.adaptive import PassCosts
 from engine.speculation.batch_speculation import BatchSpeculation, Sequence, StepCosts
@@ -51,9 +51,6 @@ from engine.speculation.proposers.batched_draft import (
     DraftRequest,
 )
 from engine.speculation.request import Speculation, record_proposal_cost
-
-if TYPE_CHECKING:
-    from engine.serving.service import RequestHandle
 
 _tracer = trace.get_tracer("specgate.engine")
 

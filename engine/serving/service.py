@@ -13,14 +13,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.api.delta_channel import DeltaChannel
 from engine.api.types import (
     MAX_SPECULATIVE_TOKENS,
     MAX_TOP_LOGPROBS,
@@ -58,6 +56,7 @@ from engine.models.serial_runner import SerialRunner
 from engine.models.versioning import model_version
 from engine.serving.logprobs import LogprobRecorder
 from engine.serving.output import OutputAssembler
+from engine.serving.request_handle import RequestHandle
 from engine.serving.scheduler import ActiveSequence, BatchLimits, BatchScheduler, reservation
 from engine.serving.step import StepRunner
 from engine.speculation import methods
@@ -90,23 +89,6 @@ HISTORY_DECAY = 0.995
 DENSE_CALIBRATION_ROWS = 17
 
 FallbackListener = Callable[[FallbackEvent], None]
-
-
-class RequestHandle(DeltaChannel):
-    """A submitted request: iterate for streamed deltas, or call ``result()``; from an event
-    loop, ``async for`` over ``deltas()`` or await ``result_async()``
-    (``engine.api.delta_channel``).
-    """
-
-    def __init__(
-        self, request: GenerationRequest, submitted_at: float, grammar: Any = None
-    ) -> None:
-        super().__init__(keep_logprobs=request.sampling.logprobs is not None)
-        self.request = request
-        self.submitted_at = submitted_at
-        # The request's compiled constraint (compiled at submit, so a bad one is a 400).
-        self.grammar = grammar
-        self.otel_context = otel_context.get_current()
 
 
 @dataclass(frozen=True)
