@@ -69,7 +69,7 @@ from gateway.app import create_app
 from gateway.audit.loop_append import LoopAppender
 from gateway.backends.local import LocalBackend
 from gateway.dependencies import Services
-from gateway.generation import build_job
+from gateway.generation.job import build_job
 from gateway.observability.logging import configure_logging
 from gateway.schemas import ChatCompletionRequest
 from gateway.server import GracefulServer, uvicorn_config

@@ -20,7 +20,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from gateway.errors import APIError
-from gateway.generation import AuditedGeneration, Job, chat_message
+from gateway.generation.audited import AuditedGeneration
+from gateway.generation.job import Job
+from gateway.generation.replies import chat_message
 from gateway.responses_schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,

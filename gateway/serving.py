@@ -14,7 +14,8 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.dependencies import Services
 from gateway.errors import APIError, shutting_down
-from gateway.generation import AuditedGeneration, build_job
+from gateway.generation.audited import AuditedGeneration
+from gateway.generation.job import build_job
 from gateway.keys import Principal
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 

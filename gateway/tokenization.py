@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.backends.base import GenerationBackend
 from gateway.errors import APIError
-from gateway.generation import chat_prompt, completion_prompt
+from gateway.generation.job import chat_prompt, completion_prompt
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Tool
 
 

@@ -27,7 +27,7 @@ from engine.api.chat import HERMES_TOOL_PROMPT
 from engine.api.grammar_text import checked_grammar
 from gateway.audit.schema import audit_events
 from gateway.backends import local as local_backend
-from gateway.generation import constraint
+from gateway.generation.job import constraint
 from gateway.schemas import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
 from tests.api_harness import (
     LiveGateway,

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from engine.api.types import SamplingParams, SpeculativeChoice
-from gateway.generation import Job, Prompt
+from gateway.generation.job import Job, Prompt
 from gateway.responses_api import ResponseEvents
 from gateway.responses_schemas import ResponseRequest
 from tests.api_harness import LiveGateway, tools_pair_gateway

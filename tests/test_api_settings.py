@@ -25,7 +25,7 @@ from gateway.backends.base import BackendCard
 from gateway.backends.local import LocalBackend
 from gateway.cli_serve import serve
 from gateway.errors import APIError
-from gateway.generation import speculative_choice
+from gateway.generation.job import speculative_choice
 from gateway.notes import DEMO_DRAFT_MISSING, serving_notes
 from gateway.schemas import SpeculativeRequest
 from gateway.settings import ConfigError, Settings, engine_config, load_settings

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from engine.api.types import SPECULATION_FIELDS, SPECULATION_FIGURES, GenerationStats
 from engine.serving.scheduler import annotate
-from gateway.generation import speculative_usage
+from gateway.generation.replies import speculative_usage
 from gateway.observability.genai import speculative_attributes
 from gateway.observability.metrics import Metrics
 from gateway.privacy.commitments import CommitmentKey
