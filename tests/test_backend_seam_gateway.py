@@ -38,6 +38,8 @@ class RelabelledBackend:
         self.compile_constraint = inner.compile_constraint
         self.health = inner.health
         self.fallback_state = inner.fallback_state
+        self.speculation_crossover = inner.speculation_crossover
+        self.divergence = inner.divergence
         self.close = inner.close
 
     def submit(self, request: GenerationRequest) -> Generation:

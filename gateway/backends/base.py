@@ -22,6 +22,12 @@ from engine.api.types import (
     StreamDelta,
 )
 
+# Where a speculative greedy output first leaves plain greedy decoding: called with the prompt's
+# ids, the plain output's and the other's; the position and the target's logit gap there
+# (``engine.speculation.divergence.Divergence.as_dict``), None when no token differs. CPU work:
+# off the event loop.
+DivergenceFinder = Callable[[Sequence[int], Sequence[int], Sequence[int]], dict[str, object] | None]
+
 
 @dataclass(frozen=True)
 class BackendCard:
@@ -121,6 +127,20 @@ class GenerationBackend(Protocol):
 
     def fallback_state(self) -> dict[Method, bool]:
         """Per speculation method: whether it is switched off now."""
+        ...
+
+    @property
+    def speculation_crossover(self) -> Callable[[Method], float] | None:
+        """Per speculation method, the batch size beyond which speculating stops paying (a
+        gauge read at scrape time). None: not offered, by a backend that does not batch with
+        adaptive speculation (vLLM)."""
+        ...
+
+    @property
+    def divergence(self) -> DivergenceFinder | None:
+        """Where a speculative greedy output first leaves plain greedy decoding, with the
+        target's logit gap there (what ``specgate audit replay`` reports). None: not offered,
+        by a backend that does not see the target's logits (vLLM)."""
         ...
 
     def close(self) -> None: ...

@@ -21,7 +21,7 @@ from engine.api.types import (
 from engine.config import EngineConfig
 from engine.serving.service import Engine, RequestHandle
 from engine.speculation.divergence import first_divergence
-from gateway.backends.base import BackendCard, BackendHealth
+from gateway.backends.base import BackendCard, BackendHealth, DivergenceFinder
 
 
 class LocalBackend:
@@ -78,7 +78,11 @@ class LocalBackend:
     def submit(self, request: GenerationRequest) -> RequestHandle:
         return self.engine.submit(request)
 
-    def divergence(
+    @property
+    def divergence(self) -> DivergenceFinder:
+        return self._divergence
+
+    def _divergence(
         self, prompt: Sequence[int], plain: Sequence[int], other: Sequence[int]
     ) -> dict[str, object] | None:
         """Where greedy ``other`` first differs from ``plain`` and the target's logit gap
@@ -99,8 +103,9 @@ class LocalBackend:
     def fallback_state(self) -> dict[Method, bool]:
         return self.engine.fallback_state()
 
-    def speculation_crossover(self, method: Method) -> float:
-        return self.engine.speculation_crossover(method)
+    @property
+    def speculation_crossover(self) -> Callable[[Method], float]:
+        return self.engine.speculation_crossover
 
     def close(self) -> None:
         self.engine.close()

@@ -694,6 +694,16 @@ class VllmBackend:
             return {}
         return {self._spec_method: self._monitor.is_disabled(self._spec_method)}
 
+    @property
+    def speculation_crossover(self) -> None:
+        """Not offered: vLLM schedules its own batches."""
+        return None
+
+    @property
+    def divergence(self) -> None:
+        """Not offered: the servers' logits are not the gateway's to read."""
+        return None
+
     def close(self) -> None:
         if self._closed:
             return

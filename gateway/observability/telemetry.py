@@ -183,7 +183,7 @@ class Telemetry:
                 queue_depth,
                 backend.fallback_state,
                 # Backends that batch with adaptive speculation report where it stops paying.
-                getattr(backend, "speculation_crossover", None),
+                backend.speculation_crossover,
             )
 
     def fallback_listener(

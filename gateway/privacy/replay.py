@@ -163,7 +163,7 @@ async def _divergences_from_plain(
     dtype's rounding explains it. Plain decoding is the reference: the output decoded with
     method ``none``, or a plain re-run when neither was. None for a backend that does not
     see the target's logits."""
-    divergence = getattr(backend, "divergence", None)
+    divergence = backend.divergence
     if divergence is None:
         return None
     plain = next((ids for method, ids in outputs.values() if method == "none"), None)
