@@ -46,9 +46,13 @@ def recommend(rows: list[dict[str, Any]]) -> dict[str, Any]:
         top = max(own, key=lambda row: row["speedup"])
         rate = top["acceptance_rate"]
         if rate is not None and rate < ACCEPTANCE_FLOOR:
+            remedy = (
+                "propose fewer tokens (a lower k), or try a draft model or EAGLE heads"
+                if method == "ngram"
+                else "fine-tune it on this kind of text, or propose fewer tokens (a lower k)"
+            )
             advice.append(
-                f"{method}: acceptance {rate:.0%} is under {ACCEPTANCE_FLOOR:.0%}: fine-tune the "
-                "draft or heads on this traffic, or propose fewer tokens (a lower k)"
+                f"{method}: acceptance {rate:.0%} is under {ACCEPTANCE_FLOOR:.0%}: {remedy}"
             )
     methods = {row["method"] for row in speculative}
     ngram = [row for row in speculative if row["method"] == "ngram"]
