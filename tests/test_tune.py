@@ -306,3 +306,44 @@ def test_measure_reads_an_operator_jsonl_file(company: Company, tmp_path: Path) 
                 report["measure_event_id"]]
     assert event.payload["source"] == "file" and event.payload["subject_refs"] == []
     assert event.payload["sha256"] == hashlib.sha256(requests.read_bytes()).hexdigest()
+
+
+def test_the_compliance_report_lists_each_tuning_run_and_the_content_it_read(
+    company: Company, measured: Path
+) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from gateway.privacy.report import collect
+    from gateway.privacy.report_html import render_html
+
+    report = json.loads((measured / "tune.json").read_text())
+    now = datetime.now(UTC)
+    data = collect(company.gateway.services.db, now - timedelta(hours=1), now + timedelta(hours=1))
+    (run,) = [r for r in data.tuning_runs
+              if set(r.get("request_event_ids", ())) == {q["id"] for q in report["requests"]}]
+    assert len(run["subject_refs"]) == 2
+    page = render_html(data)
+    rows = page.split("id='tuning-runs'")[1].split("</table>")[0]
+    assert "<td>audit_log</td><td>14</td><td>2</td>" in rows
+    assert "content_not_stored: 2, erased: 7, legal_hold: 7" in rows
+
+
+def test_nothing_is_read_when_the_run_cannot_be_recorded(
+    company: Company, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.audit.log import AuditLog, AuditUnavailableError
+    from gateway.privacy.store import PrivacyStore
+
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise AuditUnavailableError("audit store unavailable: test")
+
+    reads: list[Any] = []
+    monkeypatch.setattr(AuditLog, "append", refuse)
+    monkeypatch.setattr(PrivacyStore, "read_content", lambda _self, c: reads.append(c))
+    result = CliRunner().invoke(
+        specgate_cli,
+        ["tune", "measure", "--config", str(company.config), "--out", str(tmp_path / "out")],
+    )
+    assert result.exit_code == 1
+    assert "nothing was read" in result.output
+    assert reads == [] and not (tmp_path / "out").exists()

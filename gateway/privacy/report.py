@@ -38,6 +38,7 @@ _KINDS = (
     "tamper_detected",
     "alarm_cleared",
     "replay",
+    "tune_measure",
 )
 COSIGNATURE_MAX_AGE = timedelta(hours=24)
 
@@ -77,6 +78,8 @@ class ReportData:
     holds: list[dict[str, Any]] = field(default_factory=list)
     exports: list[dict[str, Any]] = field(default_factory=list)
     replays: list[dict[str, Any]] = field(default_factory=list)
+    # `specgate tune measure` runs: each names the requests and subjects whose content it read.
+    tuning_runs: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: int = 0
     latest_checkpoint_size: int | None = None
     cosignatures: list[dict[str, Any]] = field(default_factory=list)
@@ -273,6 +276,7 @@ def _listed(data: ReportData, kind: str, payload: dict[str, Any]) -> list[dict[s
         "legal_hold": data.holds,
         "export": data.exports,
         "replay": data.replays,
+        "tune_measure": data.tuning_runs,
         "cosignature": data.cosignatures,
         "tamper_detected": data.tamper,
         "alarm_cleared": data.alarms_cleared,

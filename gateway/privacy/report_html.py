@@ -428,6 +428,25 @@ def _replays(data: ReportData) -> str:
             "No replays in the period.",
         )
         + source("replay events in the period")
+        + "<p id='tuning'>Tuning runs (<code>specgate tune measure</code>): stored content read "
+        "to measure speculation offline; erased and held subjects left out.</p>"
+        + table(
+            ["at", "by", "source", "requests read", "subjects read", "left out"],
+            [
+                [
+                    e["at"],
+                    e["actor"],
+                    e.get("source"),
+                    len(e.get("request_event_ids") or e.get("request_ids") or []),
+                    len(e.get("subject_refs") or []),
+                    ", ".join(f"{k}: {v}" for k, v in sorted((e.get("skipped") or {}).items())),
+                ]
+                for e in data.tuning_runs
+            ],
+            "No tuning runs in the period.",
+            "tuning-runs",
+        )
+        + source("tune_measure events in the period")
     )
 
 

@@ -49,6 +49,7 @@ def _stores(
     its KEK); one-line errors where any cannot be had."""
     import sqlalchemy as sa
 
+    from gateway.audit.head_mac import head_mac_problem
     from gateway.audit.log import AuditLog, AuditUnavailableError
     from gateway.audit.mac import EventMac, MacKeyError
     from gateway.db import make_db_engine
@@ -58,6 +59,10 @@ def _stores(
     db = make_db_engine(database_url or settings.database_url)
     try:
         mac = EventMac.from_file(settings.audit_mac_key_path)
+        with db.connect() as connection:
+            problem = head_mac_problem(connection, mac)
+        if problem is not None:  # events under another key would read as forged
+            raise MacKeyError(f"{problem} ({settings.audit_mac_key_path})")
         kek = KeyEncryptionKey.from_file(settings.privacy_kek_path)
         audit = AuditLog(db, mac=mac)
         yield db, audit, PrivacyStore(db, kek, audit)
