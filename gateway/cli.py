@@ -12,6 +12,7 @@ from gateway.cli_admin import audit_app, db_app, keys_app
 from gateway.cli_privacy import compliance_app, privacy_app
 from gateway.cli_serve import serve
 from gateway.cli_teams import teams_app
+from gateway.tune.cli import tune_app
 
 app = typer.Typer(
     help="Specgate: an audited, speculative-decoding LLM gateway.", no_args_is_help=True
@@ -27,3 +28,4 @@ app.add_typer(teams_app, name="teams", help="Teams and their quotas.")
 app.add_typer(audit_app, name="audit", help="Audit log verification.")
 app.add_typer(privacy_app, name="privacy", help="Erasure, legal holds, retention, the KEK.")
 app.add_typer(compliance_app, name="compliance", help="Reports for the records of processing.")
+app.add_typer(tune_app, name="tune", help="Measure and recommend speculation on own traffic.")
