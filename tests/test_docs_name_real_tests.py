@@ -19,7 +19,7 @@ QUOTED_TEST = re.compile(r"`(test_\w+)")
 def defined_tests() -> dict[str, set[str]]:
     """Test function name -> the test files that define it."""
     found: dict[str, set[str]] = {}
-    for path in (ROOT / "tests").glob("test_*.py"):
+    for path in (ROOT / "tests").rglob("test_*.py"):
         for name in re.findall(r"^(?:async )?def (test_\w+)", path.read_text(), re.M):
             found.setdefault(name, set()).add(path.name)
     return found
@@ -27,7 +27,7 @@ def defined_tests() -> dict[str, set[str]]:
 
 def dangling_references() -> list[str]:
     defined = defined_tests()
-    files = {path.name for path in (ROOT / "tests").glob("test_*.py")}
+    files = {path.name for path in (ROOT / "tests").rglob("test_*.py")}
     dangling: list[str] = []
     for document in DOCUMENTS:
         text = document.read_text()

@@ -107,7 +107,7 @@ class BatchedRunner:
         if lean and rows == 1 and (batch == 1 or self._per_sequence):
             # One row per sequence sees all of its own prefix, and the lean forward attends
             # each sequence over its own extent: SDPA without a mask computes the same
-            # (bitwise, tests/test_engine_lean_llama.py), without converting one per call.
+            # (bitwise, tests/engine/test_engine_lean_llama.py), without converting one per call.
             self.cache.prepare(slots)
             ids = torch.tensor([feed.tokens for feed in feeds])
             positions = torch.tensor(starts)[:, None]

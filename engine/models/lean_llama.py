@@ -19,7 +19,7 @@ matters for the bits, with less around it:
 
 Element-wise results are those of HF's forward over the same fused products
 (``engine.models.fused_projections``): the same operators in the same dtypes, in the same order
-(``tests/test_engine_lean_llama.py`` checks logits and hidden states bitwise against HF's
+(``tests/engine/test_engine_lean_llama.py`` checks logits and hidden states bitwise against HF's
 modules over the same fused model in float32 and bfloat16, and within 1e-4 in float32
 against the unfused model, over ragged batches, trees and padding; the demo target gave
 bitwise HF's logits too). Only exact ``LlamaForCausalLM`` models whose every layer is
