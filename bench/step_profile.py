@@ -15,7 +15,10 @@ on the same weights, in turn:
   on the packed model, and ``model call``, the part of it inside ``model(...)``;
 - ``engine step, unpacked``: the same on the model as loaded;
 - ``HF generate``: ``model.generate`` greedy, seconds per new token (prefill included, as a
-  user times it; the prompt is short), the same number of tokens.
+  user times it; the prompt is short), the same number of tokens;
+- with ``--compiled``, ``HF compiled``: the Hugging Face model's one-token forward over a
+  ``StaticCache`` under ``torch.compile`` (inductor), gpt-fast's shape of a decode step,
+  seconds per step after a compilation timed once before the rounds.
 
 Medians over rounds (each round runs all three, so load drifts hit them alike). Then a torch
 profiler table of ``--profile-steps`` packed engine steps (prefill excluded), by operator.
@@ -33,7 +36,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the specgate command does
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel, StaticCache
 
 from engine.api.types import SamplingParams
 from engine.models.batched_runner import BatchedRunner, Feed
@@ -115,6 +118,40 @@ def hf_generate(model: PreTrainedModel, prompt: list[int], steps: int) -> tuple[
     return seconds / steps, out[0, len(prompt) :].tolist()
 
 
+class CompiledDecode:
+    """Greedy decoding with the model's one-token forward over a ``StaticCache`` compiled by
+    ``torch.compile`` (static shapes: one compilation serves every step)."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.cache: StaticCache | None = None
+        self.step = torch.compile(self._forward, dynamic=False)
+
+    def _forward(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        out = self.model(
+            input_ids=token, past_key_values=self.cache, cache_position=position, use_cache=True
+        )
+        return out.logits[:, -1]
+
+    @torch.inference_mode()
+    def run(self, prompt: list[int], steps: int) -> tuple[float, list[int]]:
+        """Seconds per step over ``steps`` steps after an eager prefill, and the tokens."""
+        self.cache = StaticCache(config=self.model.config, max_cache_len=len(prompt) + steps + 1)
+        ids = torch.tensor([prompt])
+        out = self.model(
+            input_ids=ids, past_key_values=self.cache, cache_position=torch.arange(len(prompt)),
+            use_cache=True,
+        )
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        written = [int(token)]
+        started = _clock()
+        for i in range(steps):
+            logits = self.step(token, torch.tensor([len(prompt) + i]))
+            token = logits.argmax(-1, keepdim=True)
+            written.append(int(token))
+        return (_clock() - started) / steps, written[:steps]
+
+
 def profile_table(model: PreTrainedModel, prompt: list[int], steps: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -135,6 +172,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--clock", choices=sorted(_CLOCKS), default="wall")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument(
+        "--compiled", action="store_true", help="also torch.compile'd HF decode over a StaticCache"
+    )
     args = parser.parse_args()
 
     global _clock
@@ -153,6 +193,12 @@ def main() -> None:
     times: dict[str, list[float]] = {"engine": [], "model": [], "unpacked": [], "hf": []}
     tokens: dict[str, list[int]] = {}
     engine_steps(model, prompt, 4)  # warm-up
+    compiled = CompiledDecode(reference) if args.compiled else None
+    if compiled is not None:
+        started = time.perf_counter()
+        compiled.run(prompt, 2)  # compiles
+        print(f"torch.compile of the decode step: {time.perf_counter() - started:.1f} s")
+        times["compiled"] = []
     for _ in range(args.rounds):
         timer.calls.clear()
         step, tokens["engine"] = engine_steps(model, prompt, args.steps)
@@ -162,17 +208,21 @@ def main() -> None:
         times["unpacked"].append(step)
         step, tokens["hf"] = hf_generate(reference, prompt, args.steps)
         times["hf"].append(step)
+        if compiled is not None:
+            step, tokens["compiled"] = compiled.run(prompt, args.steps)
+            times["compiled"].append(step)
     print(f"{args.clock} clock, dtype {model.dtype}, torch threads {torch.get_num_threads()}, "
           f"prompt {len(prompt)} tokens, {args.steps} steps, {args.rounds} rounds, "
           f"load {os.getloadavg()[0]:.2f}")
     labels = {"engine": "engine step", "model": "  model call", "unpacked": "engine unpacked",
-              "hf": "HF generate"}
+              "hf": "HF generate", "compiled": "HF compiled"}
+    labels = {key: label for key, label in labels.items() if key in times}
     for key, label in labels.items():
         median = statistics.median(times[key])
         rounds = " ".join(f"{t * 1e3:.1f}" for t in times[key])
         print(f"{label:16s} median {median * 1e3:7.2f} ms ({1 / median:5.1f} tok/s)  "
               f"rounds {rounds}")
-    for key in ("unpacked", "hf"):
+    for key in [key for key in ("unpacked", "hf", "compiled") if key in tokens]:
         pairs = zip(tokens["engine"], tokens[key], strict=True)
         same = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
         print(f"engine and {labels[key]} tokens "
