@@ -18,6 +18,7 @@ from gateway.cli_admin import DatabaseUrl, _cli_actor, _resolve_url, audit_app
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
+    from gateway.audit.log import AuditLog
     from gateway.privacy.report import ReportData
     from gateway.privacy.scrub import ScrubReport
     from gateway.privacy.store import PrivacyStore
@@ -46,22 +47,31 @@ def _subject(subject: str | None, key_owner: str | None) -> str:
 
 
 @contextmanager
-def _privacy_store(database_url: str | None) -> Iterator[PrivacyStore]:
+def content_stores(
+    settings: Settings, database_url: str | None, unreachable: str
+) -> Iterator[tuple[sa.Engine, AuditLog, PrivacyStore]]:
+    """The database, the audit log (with the gateway's MAC key, checked against the log's
+    head) and the privacy store (with its KEK); one-line errors where any cannot be had,
+    ``unreachable`` (with ``{detail}``) where the database cannot be read."""
     import sqlalchemy as sa
 
+    from gateway.audit.head_mac import head_mac_problem
     from gateway.audit.log import AuditLog, AuditUnavailableError
     from gateway.audit.mac import EventMac, MacKeyError
     from gateway.db import make_db_engine
     from gateway.privacy.kek import KekError, KeyEncryptionKey
     from gateway.privacy.store import PrivacyStore
-    from gateway.settings import load_settings
 
-    settings = load_settings()
-    db = make_db_engine(_resolve_url(database_url))
+    db = make_db_engine(database_url or settings.database_url)
     try:
         mac = EventMac.from_file(settings.audit_mac_key_path)
+        with db.connect() as connection:
+            problem = head_mac_problem(connection, mac)
+        if problem is not None:  # events under another key would read as forged
+            raise MacKeyError(f"{problem} ({settings.audit_mac_key_path})")
         kek = KeyEncryptionKey.from_file(settings.privacy_kek_path)
-        yield PrivacyStore(db, kek, AuditLog(db, mac=mac))
+        audit = AuditLog(db, mac=mac)
+        yield db, audit, PrivacyStore(db, kek, audit)
     except (MacKeyError, KekError) as error:
         typer.echo(
             f"error: {error}; run this where the gateway's keys are readable "
@@ -71,10 +81,19 @@ def _privacy_store(database_url: str | None) -> Iterator[PrivacyStore]:
         raise typer.Exit(1) from None
     except (sa.exc.SQLAlchemyError, AuditUnavailableError) as error:
         detail = str(getattr(error, "orig", None) or error).splitlines()[0]
-        typer.echo(f"error: the database is not reachable or not migrated ({detail})", err=True)
+        typer.echo(f"error: {unreachable.format(detail=detail)}", err=True)
         raise typer.Exit(2) from None
     finally:
         db.dispose()
+
+
+@contextmanager
+def _privacy_store(database_url: str | None) -> Iterator[PrivacyStore]:
+    from gateway.settings import load_settings
+
+    unreachable = "the database is not reachable or not migrated ({detail})"
+    with content_stores(load_settings(), database_url, unreachable) as (_db, _audit, store):
+        yield store
 
 
 @kek_app.command("create")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -15,12 +13,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from gateway.cli_admin import DatabaseUrl, _cli_actor
+from gateway.cli_privacy import content_stores
 
 if TYPE_CHECKING:
-    import sqlalchemy as sa
-
-    from gateway.audit.log import AuditLog
-    from gateway.privacy.store import PrivacyStore
     from gateway.settings import Settings
 
 tune_app = typer.Typer(no_args_is_help=True)
@@ -39,46 +34,6 @@ def _settings(config: Path | None) -> Settings:
     except ConfigError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from None
-
-
-@contextmanager
-def _stores(
-    settings: Settings, database_url: str | None
-) -> Iterator[tuple[sa.Engine, AuditLog, PrivacyStore]]:
-    """The database, the audit log (with the gateway's MAC key) and the privacy store (with
-    its KEK); one-line errors where any cannot be had."""
-    import sqlalchemy as sa
-
-    from gateway.audit.head_mac import head_mac_problem
-    from gateway.audit.log import AuditLog, AuditUnavailableError
-    from gateway.audit.mac import EventMac, MacKeyError
-    from gateway.db import make_db_engine
-    from gateway.privacy.kek import KekError, KeyEncryptionKey
-    from gateway.privacy.store import PrivacyStore
-
-    db = make_db_engine(database_url or settings.database_url)
-    try:
-        mac = EventMac.from_file(settings.audit_mac_key_path)
-        with db.connect() as connection:
-            problem = head_mac_problem(connection, mac)
-        if problem is not None:  # events under another key would read as forged
-            raise MacKeyError(f"{problem} ({settings.audit_mac_key_path})")
-        kek = KeyEncryptionKey.from_file(settings.privacy_kek_path)
-        audit = AuditLog(db, mac=mac)
-        yield db, audit, PrivacyStore(db, kek, audit)
-    except (MacKeyError, KekError) as error:
-        typer.echo(
-            f"error: {error}; run this where the gateway's keys are readable "
-            "(SPECGATE_AUDIT_MAC_KEY_PATH, SPECGATE_PRIVACY_KEK_PATH)",
-            err=True,
-        )
-        raise typer.Exit(1) from None
-    except (sa.exc.SQLAlchemyError, AuditUnavailableError) as error:
-        detail = str(getattr(error, "orig", None) or error).splitlines()[0]
-        typer.echo(f"error: the audit log is not reachable ({detail}); nothing was read", err=True)
-        raise typer.Exit(2) from None
-    finally:
-        db.dispose()
 
 
 @tune_app.command("measure")
@@ -148,7 +103,9 @@ def measure(
         "ks": list(ks), "repeats": repeats, "max_tokens": max_tokens, "limit": limit,
     }
     skipped: Counter[str] = Counter()
-    with _stores(settings, database_url) as (_db, audit, privacy):
+    with content_stores(
+        settings, database_url, "the audit log is not reachable ({detail}); nothing was read"
+    ) as (_db, audit, privacy):
         payload: dict[str, Any] = {"options": options, "models": [m.name for m in models]}
         if requests is not None:
             try:
@@ -250,7 +207,9 @@ def apply(
         typer.echo(f"error: the changed configuration would be invalid: {error}", err=True)
         raise typer.Exit(2) from None
     digest = hashlib.sha256(data).hexdigest()
-    with _stores(settings, database_url) as (_db, audit, _privacy):
+    with content_stores(
+        settings, database_url, "the audit log is not reachable ({detail}); nothing was read"
+    ) as (_db, audit, _privacy):
         try:
             appended = audit.append(
                 "tune_apply",
