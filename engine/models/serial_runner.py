@@ -7,7 +7,6 @@ model runs the same scheduler and the same step (``engine.serving.step``).
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel
 
 from engine.models.batched_runner import Feed
 from engine.models.model_runner import ModelRunner
@@ -17,11 +16,8 @@ from engine.speculation.tree import ancestor_mask, depths
 class SerialRunner:
     """One slot (slot 0) over ``runner``'s cache."""
 
-    max_slots = 1
-
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.model: PreTrainedModel = runner.model
         self.device = runner.device
 
     def forward(self, feeds: list[Feed], last_only: bool = False) -> list[torch.Tensor]:
