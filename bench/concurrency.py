@@ -33,7 +33,15 @@ target's weights, in the dtype the local engine serves them in (``--dtype``, by 
 engine's own choice, ``auto``), after the local app has stopped (the two never share the
 cores), and runs the same clients over the same mix against it, plain decoding, as many
 repeats: points with ``"server": "vllm"``, and per number of clients the median local plain
-tokens/s over vLLM's. vLLM runs without its prefix cache (``--no-enable-prefix-caching``)
+tokens/s over vLLM's. ``--vllm-methods none,ngram`` also runs a vLLM server with its n-gram
+speculation (``bench.vllm_server.VLLM_NGRAM``: k 4, lookup 2-4) after the plain one, and the
+summary ends with one table of median tokens/s by clients: the built-in engine's methods
+beside vLLM's, the comparison with vLLM in one command::
+
+    OMP_WAIT_POLICY=PASSIVE python -m bench.concurrency --clients 1,4,8 --methods none,ngram \
+        --max-tokens 96 --repeats 3 --long-prompt-tokens 200 --vllm --vllm-methods none,ngram
+
+vLLM runs without its prefix cache (``--no-enable-prefix-caching``)
 unless ``--vllm-prefix-caching``: every client cycles through the same few prompts, so a
 prefix cache skips most of vLLM's prefill work from the second request of a prompt on, and the
 built-in engine has no prefix cache; like for like, neither side reuses another request's
@@ -50,13 +58,13 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
 
 from bench.gateway_overhead import serving
-from bench.vllm_server import VllmServer, running
+from bench.vllm_server import VLLM_SPECULATION, VllmServer, running
 from bench.workload import BUILTIN_DIR
 from engine.training.demo.paths import default_demo_dir
 from gateway.settings import load_settings
@@ -329,7 +337,7 @@ def against_vllm(local: list[Point], vllm: list[Point]) -> dict[int, float]:
     ratios = {}
     for clients in sorted({p.clients for p in vllm}):
         ours = [p.total_tokens_per_s for p in local if p.method == "none" and p.clients == clients]
-        theirs = [p.total_tokens_per_s for p in vllm if p.clients == clients]
+        theirs = [p.total_tokens_per_s for p in vllm if p.method == "none" and p.clients == clients]
         if ours and theirs:
             ratios[clients] = round(statistics.median(ours) / statistics.median(theirs), 3)
     return ratios
@@ -399,25 +407,55 @@ async def run(
 def vllm_sweep(
     args: argparse.Namespace, target: Path, dtype: str, scratch: Path
 ) -> tuple[dict[str, object], list[Point]]:
-    """vLLM's CPU build on ``target``'s weights in ``dtype``, the same clients and mix,
-    plain decoding."""
-    server = VllmServer(
-        target, "bench-vllm", scratch / "vllm.log", dtype=dtype,
-        prefix_caching=args.vllm_prefix_caching,
-    )
-    if args.port:  # the port after the local app's
-        server.port = args.port + 1
-    with running(server):
-        remote = Server("vllm", server.url, "none", "bench-vllm")
-        points = asyncio.run(sweep(args, remote, ["default"]))
+    """vLLM's CPU build on ``target``'s weights in ``dtype``, the same clients and mix: one
+    server per ``--vllm-methods`` entry (``none``: plain; ``ngram``: its n-gram speculation),
+    one after another, each point labelled with that method."""
+    points: list[Point] = []
+    runs: dict[str, dict[str, object]] = {}
+    for method in args.vllm_methods.split(","):
+        server = VllmServer(
+            target, "bench-vllm", scratch / f"vllm-{method}.log", dtype=dtype,
+            prefix_caching=args.vllm_prefix_caching,
+            speculative_config=VLLM_SPECULATION[method],
+        )
+        if args.port:  # the port after the local app's
+            server.port = args.port + 1
+        with running(server):
+            remote = Server("vllm", server.url, "none", "bench-vllm")
+            served = asyncio.run(sweep(args, remote, ["default"]))
+        points += [replace(point, method=method) for point in served]
+        runs[method] = {
+            "command": " ".join(server.command()[1:]),
+            "startup_s": round(server.startup_s, 1),
+            "load_average_1m": round(os.getloadavg()[0], 2),
+        }
     return {
         "vllm_dtype": dtype,
-        "vllm_command": " ".join(server.command()[1:]),
         "vllm_prefix_caching": args.vllm_prefix_caching,
-        "vllm_startup_s": round(server.startup_s, 1),
-        "vllm_load_average_1m": round(os.getloadavg()[0], 2),
+        "vllm_runs": runs,
         "vllm_points": [asdict(point) for point in points],
     }, points
+
+
+def comparison_table(local: list[Point], vllm: list[Point]) -> str:
+    """Median total tokens/s by number of clients: each local method beside each of vLLM's
+    (a Markdown table)."""
+    columns = [("Specgate", m, local) for m in dict.fromkeys(p.method for p in local)] + [
+        ("vLLM", m, vllm) for m in dict.fromkeys(p.method for p in vllm)
+    ]
+    levels = sorted({p.clients for p in local} | {p.clients for p in vllm})
+    lines = [
+        "| tok/s | " + " | ".join(f"{c} clients" for c in levels) + " |",
+        "|---|" + "---:|" * len(levels),
+    ]
+    for server, method, points in columns:
+        cells = []
+        for clients in levels:
+            rates = [p.total_tokens_per_s for p in points
+                     if p.method == method and p.clients == clients]  # fmt: skip
+            cells.append(f"{statistics.median(rates):.1f}" if rates else "")
+        lines.append(f"| {server} {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -448,6 +486,11 @@ def main() -> None:
         "--vllm", action="store_true", help="also sweep vLLM's CPU build on the same weights"
     )
     parser.add_argument(
+        "--vllm-methods",
+        default="none",
+        help="vLLM servers to sweep one after another: none (plain), ngram",
+    )
+    parser.add_argument(
         "--vllm-prefix-caching",
         action="store_true",
         help="run vLLM with its prefix cache, as deployed (by default it is off, like for like)",
@@ -459,6 +502,7 @@ def main() -> None:
     args = parser.parse_args()
 
     versus_vllm = None
+    remote_points: list[Point] = []
     if args.base_url:
         remote = Server("remote", args.base_url, args.api_key, args.model)
         result, points = asyncio.run(run(args, remote))
@@ -491,6 +535,8 @@ def main() -> None:
                 result["plain_over_vllm"] = {str(c): r for c, r in versus_vllm.items()}
     print(json.dumps(result, indent=2))
     print(summary(result, speedups(points), versus_vllm))
+    if remote_points:
+        print(comparison_table(points, remote_points))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -48,6 +48,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# vLLM's n-gram speculation as the benchmarks configure it (``--speculative-config``).
+VLLM_NGRAM: dict[str, object] = {
+    "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+}  # fmt: skip
+# A benchmark's vLLM servers by method name: ``none`` plain, ``ngram`` with VLLM_NGRAM.
+VLLM_SPECULATION: dict[str, dict[str, object] | None] = {"none": None, "ngram": VLLM_NGRAM}
+
+
 @dataclass
 class VllmServer:
     """One ``vllm.entrypoints.openai.api_server`` process serving ``model`` on ``port``."""

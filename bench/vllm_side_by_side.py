@@ -77,13 +77,11 @@ import httpx
 
 from bench.audit_bench import scratch_database
 from bench.gateway_overhead import serving
-from bench.vllm_server import VllmServer, running
+from bench.vllm_server import VLLM_NGRAM, VllmServer, running
 from engine.models.versioning import MANIFEST_NAME, model_version, write_manifest
 from gateway.settings import DEMO_MODEL_NAME, BackendSettings, Settings, VllmServerSettings
 
 PROMPTS = Path(__file__).parent / "prompts" / "code.jsonl"
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-         "prompt_lookup_max": 4}  # fmt: skip
 NUM_DRAFT_TOKENS = 4
 
 
@@ -211,7 +209,7 @@ def vllm_servers(
 ) -> Iterator[dict[str, VllmServer]]:
     """The servers by speculation method ("plain", "ngram", and "draft" with a draft), started
     side by side, on ``cpus`` (None: all), on ports from ``port_base`` (0: free ones)."""
-    configs: dict[str, dict[str, Any] | None] = {"plain": None, "ngram": NGRAM}
+    configs: dict[str, dict[str, Any] | None] = {"plain": None, "ngram": VLLM_NGRAM}
     if draft is not None:
         configs["draft"] = draft_config(draft)
     ports = {name: {"port": port_base + i} if port_base else {} for i, name in enumerate(configs)}
@@ -340,7 +338,8 @@ def main() -> None:
                             device="cpu", database_url=store(name), data_dir=scratch / name,
                             **speculation, **common)  # fmt: skip
 
-        local_ngram = local("local", speculative_config=json.dumps(NGRAM))  # one engine, two routes
+        # One engine, two routes.
+        local_ngram = local("local", speculative_config=json.dumps(VLLM_NGRAM))
         plain = servers["plain"]
 
         def remote(name: str, method: str) -> Settings:
