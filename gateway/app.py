@@ -48,6 +48,7 @@ from gateway.leases import Leases
 from gateway.lifecycle import Lifecycle
 from gateway.notes import DEMO_DRAFT_MISSING, demo_draft_missing
 from gateway.observability.audit import ObservedAuditLog
+from gateway.observability.drift import AcceptanceWatch, load_expectations
 from gateway.observability.telemetry import Telemetry
 from gateway.offload import Offload
 from gateway.privacy.kek import KeyEncryptionKey
@@ -59,6 +60,7 @@ from gateway.quotas import QuotaStore
 from gateway.rate_limit_headers import RateLimitHeaders
 from gateway.recording import (
     append_durably,
+    drift_recorder,
     fallback_recorder,
     replica_recorder,
     startup_payload,
@@ -81,6 +83,7 @@ from gateway.routes import usage as usage_routes
 from gateway.served_models import load_models
 from gateway.settings import ConfigError, Settings, engine_config
 from gateway.spool import EventSpool
+from gateway.tune.watch import LiveDrift
 
 log = structlog.get_logger(__name__)
 
@@ -174,6 +177,7 @@ def start_services(
     spool = EventSpool(settings.data_dir, audit_log, db, settings.spool_retry_s)
     spool.drain()
     record_at_startup(settings.processing_record_path, audit_log, db, SYSTEM_ACTOR)
+    expectations = load_expectations(settings.tune_report)
     on_fallback = telemetry.fallback_listener(fallback_recorder(spool))
     served = load_models(settings.configured_models(), lambda own: load_backend(own, on_fallback))
     telemetry.watch_backends([model.backend for model in served])
@@ -213,6 +217,18 @@ def start_services(
         prepare_threads=settings.prepare_threads,
         timeout_s=settings.audit_timeout_s,
     )
+    record_drift = drift_recorder(spool, instance)
+    acceptance = AcceptanceWatch(
+        LiveDrift(
+            expectations,
+            settings.drift_window_tokens,
+            settings.drift_margin,
+            settings.drift_floor,
+        ),
+        telemetry.metrics,
+        {model.backend.card.model_name: model.backend.speculation_speedup for model in served},
+        lambda drift: offload.submit_io(record_drift, drift),
+    )
     return Services(
         settings=settings,
         models=served,
@@ -240,6 +256,7 @@ def start_services(
         quotas=QuotaGate(
             QuotaStore(db, audit_log), QuotaWindows(db), offload, settings.key_cache_ttl_s
         ),
+        acceptance=acceptance,
     )
 
 

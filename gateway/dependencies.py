@@ -24,6 +24,7 @@ from gateway.key_cache import KeyCache
 from gateway.keys import KeyStore
 from gateway.leases import Leases
 from gateway.lifecycle import Lifecycle
+from gateway.observability.drift import AcceptanceWatch
 from gateway.observability.telemetry import Telemetry
 from gateway.offload import Offload
 from gateway.privacy.store import PrivacyStore
@@ -54,6 +55,7 @@ class Services:
     key_cache: KeyCache
     leases: Leases
     quotas: QuotaGate
+    acceptance: AcceptanceWatch
 
     @property
     def backend(self) -> GenerationBackend:

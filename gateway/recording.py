@@ -355,6 +355,21 @@ def fallback_recorder(spool: EventSpool) -> Callable[[FallbackEvent], None]:
     return record
 
 
+def drift_recorder(spool: EventSpool, instance_id: str) -> Callable[[dict[str, Any]], None]:
+    """An `acceptance_drift` event per drift that starts (``gateway.observability.drift``),
+    with the instance whose window saw it, through the durable spool like `fallback` events.
+    The caller runs it off the event loop (the spool writes to disk); a spool that cannot be
+    written is logged."""
+
+    def record(drift: dict[str, Any]) -> None:
+        try:
+            spool.enqueue("acceptance_drift", None, {**drift, "instance_id": instance_id})
+        except Exception:
+            log.exception("drift_event_not_recorded", model=drift.get("model"))
+
+    return record
+
+
 def replica_recorder(spool: EventSpool) -> Callable[[Any], None]:
     """A remote backend's replica listener: a `backend_replica` event per replica taken out
     or put back, a `backend_replica_check` event per configuration check with news (each

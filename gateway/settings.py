@@ -43,6 +43,8 @@ from gateway.audit.log import APPEND_LOCK_TIMEOUT_S
 from gateway.audit.signing import DEFAULT_ORIGIN
 from gateway.knobs import KNOBS, knob
 from gateway.privacy.store import RETENTION_DAYS_DEFAULT
+from gateway.tune.recommend import ACCEPTANCE_FLOOR
+from gateway.tune.watch import DEFAULT_MARGIN, DEFAULT_WINDOW_TOKENS
 
 
 class ConfigError(ValueError):
@@ -395,6 +397,31 @@ class Settings(BaseSettings, ModelSettings):
         default=10.0,
         gt=0,
         description="How often this instance renews its lease and looks for expired ones.",
+    )
+    tune_report: Path | None = Field(
+        default=None,
+        description="The tune.json that `specgate tune apply` applied: the acceptance each "
+        "model, workload and method is expected to keep (acceptance drift on /metrics and in "
+        "the audit log). Unset: the floor alone judges drift.",
+    )
+    drift_window_tokens: int = Field(
+        default=DEFAULT_WINDOW_TOKENS,
+        ge=1,
+        description="Draft tokens of the newest requests per model, method and workload whose "
+        "acceptance is judged for drift (judged once the window holds that many).",
+    )
+    drift_margin: float = Field(
+        default=DEFAULT_MARGIN,
+        ge=0.0,
+        le=1.0,
+        description="A drift: the window's acceptance below the tuning report's less this.",
+    )
+    drift_floor: float = Field(
+        default=ACCEPTANCE_FLOOR,
+        ge=0.0,
+        le=1.0,
+        description="A drift, with or without a tuning report: the window's acceptance below "
+        "this.",
     )
     refusal_window_s: float = Field(
         default=10.0,

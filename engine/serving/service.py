@@ -66,6 +66,7 @@ from engine.speculation.adaptive import (
     PassCosts,
     RunLengths,
     SpeculationLength,
+    window_speedup,
 )
 from engine.speculation.batch_speculation import StepCosts, crossover
 from engine.speculation.grammar import Grammars
@@ -267,6 +268,17 @@ class Engine:
             self._run_lengths[method],
         )
         return crossover(self._step_costs, fresh, self.config.max_num_seqs)
+
+    def estimated_speedup(
+        self, method: Method, drafted: int, accepted: int, drafts: int, passes: int
+    ) -> float | None:
+        """The speedup over plain decoding of requests with these figures (``drafted`` tokens
+        proposed in ``drafts`` of ``passes`` target passes, ``accepted`` kept), at this
+        engine's measured pass costs: the estimate the fallback judges a method's window by
+        (``engine.speculation.adaptive.window_speedup``), for figures counted elsewhere (the
+        gateway's per-workload windows). None before the costs are measured."""
+        estimate = window_speedup(self._costs, method, drafted, accepted, drafts, passes)
+        return None if estimate is None else estimate[1]
 
     def fallback_state(self) -> dict[Method, bool]:
         """Per method: whether the engine has stopped proposing with it, switched off by

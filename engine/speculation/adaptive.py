@@ -183,6 +183,31 @@ class PassCosts:
         return max(0.0, t0 + (t1 - t0) * (tokens - n0) / (n1 - n0))
 
 
+def window_speedup(
+    costs: PassCosts,
+    method: str,
+    drafted: int,
+    accepted: int,
+    proposing_passes: int,
+    passes: int,
+) -> tuple[float, float] | None:
+    """One proposed token's cost in plain target passes, and the estimated speedup over plain
+    decoding (``pass_cost_speedup``) of requests that proposed ``drafted`` tokens with the
+    method in ``proposing_passes`` of their ``passes`` target passes and kept ``accepted``,
+    at the measured pass costs: verifying at the mean k, proposing at the method's cost per
+    token. None before a target pass has a cost or without a proposing pass."""
+    plain = costs.target(1)
+    if not proposing_passes or not plain:
+        return None
+    per_token = costs.proposer(method)
+    mean_k = drafted / proposing_passes
+    verify = costs.target(max(2, round(mean_k) + 1)) or plain
+    speedup = pass_cost_speedup(
+        drafted, accepted, proposing_passes, passes, verify, per_token, plain
+    )
+    return per_token / plain, speedup
+
+
 def shrunk_chain(
     events: Sequence[float], trials: Sequence[float], prior: float, weight: float
 ) -> list[float]:
@@ -611,14 +636,11 @@ class FallbackMonitor:
         passes = sum(entry[2] for entry in window)
         steps = sum(entry[3] for entry in window)
         rate = accepted / proposed if proposed else 1.0
-        plain = self.costs.target(1)
-        if not passes or not plain:
+        estimate = window_speedup(self.costs, method, proposed, accepted, passes, steps)
+        if estimate is None:
             return WindowFigures(rate, proposed, None, None)
-        per_token = self.costs.proposer(method)
-        mean_k = proposed / passes
-        verify = self.costs.target(max(2, round(mean_k) + 1)) or plain
-        speedup = pass_cost_speedup(proposed, accepted, passes, steps, verify, per_token, plain)
-        return WindowFigures(rate, proposed, per_token / plain, speedup)
+        cost_ratio, speedup = estimate
+        return WindowFigures(rate, proposed, cost_ratio, speedup)
 
     def _pays(self, method: Method, figures: WindowFigures) -> tuple[bool, str]:
         """Whether the window says speculating pays, and the rule that decided."""

@@ -29,6 +29,16 @@ from engine.api.types import (
 DivergenceFinder = Callable[[Sequence[int], Sequence[int], Sequence[int]], dict[str, object] | None]
 
 
+class SpeedupEstimate(Protocol):
+    """The estimated speedup over plain decoding of requests that proposed ``drafted`` tokens
+    with ``method`` in ``drafts`` of their ``passes`` target passes and kept ``accepted``, at
+    the backend's measured pass costs; None before they are measured."""
+
+    def __call__(
+        self, method: Method, drafted: int, accepted: int, drafts: int, passes: int
+    ) -> float | None: ...
+
+
 @dataclass(frozen=True)
 class BackendCard:
     """What a backend serves: the model and its versioned artefacts, recorded in the audit
@@ -134,6 +144,13 @@ class GenerationBackend(Protocol):
         """Per speculation method, the batch size beyond which speculating stops paying (a
         gauge read at scrape time). None: not offered, by a backend that does not batch with
         adaptive speculation (vLLM)."""
+        ...
+
+    @property
+    def speculation_speedup(self) -> SpeedupEstimate | None:
+        """The speedup estimate of the engine's fallback for figures counted by the gateway
+        (its per-workload acceptance windows). None: not offered, by a backend that does not
+        measure pass costs (vLLM)."""
         ...
 
     @property

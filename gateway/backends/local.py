@@ -21,7 +21,12 @@ from engine.api.types import (
 from engine.config import EngineConfig
 from engine.serving.service import Engine, RequestHandle
 from engine.speculation.divergence import first_divergence
-from gateway.backends.base import BackendCard, BackendHealth, DivergenceFinder
+from gateway.backends.base import (
+    BackendCard,
+    BackendHealth,
+    DivergenceFinder,
+    SpeedupEstimate,
+)
 
 
 class LocalBackend:
@@ -106,6 +111,10 @@ class LocalBackend:
     @property
     def speculation_crossover(self) -> Callable[[Method], float]:
         return self.engine.speculation_crossover
+
+    @property
+    def speculation_speedup(self) -> SpeedupEstimate:
+        return self.engine.estimated_speedup
 
     def close(self) -> None:
         self.engine.close()

@@ -700,6 +700,11 @@ class VllmBackend:
         return None
 
     @property
+    def speculation_speedup(self) -> None:
+        """Not offered: the servers' pass costs are not measured here."""
+        return None
+
+    @property
     def divergence(self) -> None:
         """Not offered: the servers' logits are not the gateway's to read."""
         return None

@@ -56,6 +56,7 @@ from gateway.schemas import (
     SpeculativeUsage,
 )
 from gateway.served_models import ServedModel
+from gateway.tune.sample import cluster_of
 
 log = structlog.get_logger(__name__)
 
@@ -429,13 +430,16 @@ class AuditedGeneration:
     def _record_outcome(self, telemetry: CompletionTelemetry, outcome: str) -> None:
         stats = self.stats()
         if stats is not None:
+            model = self.backend.card.model_name
             telemetry.record_result(
                 response_id=self.job.response_id,
-                response_model=self.backend.card.model_name,
+                response_model=model,
                 finish_reasons=[s.finish_reason for s in self.choices if s.finish_reason],
                 stats=stats,
                 output_texts=[state.text for state in self.choices],
             )
+            workload = cluster_of({"route": self.job.route, "key_name": self.principal.name})
+            self.services.acceptance.observe(model, workload, stats)
         if outcome != "ok":
             telemetry.record_error(outcome)
 

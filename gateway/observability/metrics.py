@@ -1,7 +1,8 @@
 """Prometheus metrics, one dedicated registry per app so that apps never share counters.
 
 Label values are only ever route templates, status codes, model names, method names,
-fallback actions and audit event kinds: nothing a client writes reaches a label.
+fallback actions, audit event kinds and workloads (a route template and an API key's name,
+which operators create): nothing a client writes reaches a label.
 The speculation counters follow vLLM's ``spec_decode`` counters, so that acceptance rate
 (accepted / draft tokens) and mean acceptance length (1 + accepted / drafts) follow
 from them in PromQL as they do for vLLM. With ``vllm_names`` (setting
@@ -153,6 +154,35 @@ class Metrics:
             spec_labels,
             registry=r,
         )
+        drift_labels = [*spec_labels, "workload"]
+        self.rolling_acceptance = Gauge(
+            "specgate_acceptance_rolling_rate",
+            "Acceptance rate (accepted / draft tokens) of the newest requests of a workload "
+            "(route and API key name) over the drift window of draft tokens.",
+            drift_labels,
+            registry=r,
+        )
+        self.expected_acceptance = Gauge(
+            "specgate_acceptance_expected_rate",
+            "Acceptance rate the applied tuning report measured for the workload's cluster "
+            "(else for all of the model's traffic).",
+            drift_labels,
+            registry=r,
+        )
+        self.estimated_speedup = Gauge(
+            "specgate_speculation_estimated_speedup",
+            "Estimated speedup over plain decoding of the window's requests at the engine's "
+            "measured pass costs (the fallback's estimate).",
+            drift_labels,
+            registry=r,
+        )
+        self.acceptance_drift = Gauge(
+            "specgate_acceptance_drift",
+            "1 while the window, once it holds its draft tokens, is below the measured "
+            "acceptance less the margin or below the floor.",
+            drift_labels,
+            registry=r,
+        )
         self.fallback_switches = Counter(
             "specgate_fallback_switches",
             "Fallback switches of a method off (disabled) or on (enabled).",
@@ -288,6 +318,26 @@ class Metrics:
                     counter.labels(model, str(position)).inc(count)
             elif isinstance(value, int | float) and not isinstance(value, bool):
                 counter.labels(model).inc(value)
+
+    def observe_acceptance(
+        self,
+        method: str,
+        model: str,
+        workload: str,
+        rolling: float,
+        expected: float | None,
+        speedup: float | None,
+        drifting: bool,
+    ) -> None:
+        """A workload's window after a request: its rate, the measured one and the speedup
+        where known, and the drift flag."""
+        labels = (method, model, workload)
+        self.rolling_acceptance.labels(*labels).set(rolling)
+        if expected is not None:
+            self.expected_acceptance.labels(*labels).set(expected)
+        if speedup is not None:
+            self.estimated_speedup.labels(*labels).set(speedup)
+        self.acceptance_drift.labels(*labels).set(float(drifting))
 
     def observe_fallback(self, event: FallbackEvent) -> None:
         self.fallback_switches.labels(event.method, event.model, event.action).inc()

@@ -5,9 +5,10 @@ Part I is the operator's declared record, as the newest ``processing_record`` ev
 period's end holds it (``gateway.privacy.processing_record``); without one the page opens with
 a warning. Part II is the evidence, read from the audit log alone, never from tables the
 database owner can edit: whether content was stored, requests and outcomes, erasures,
-retention, legal holds and exports, key and role changes, models in service, replays, the
-chain verification, witness cosignatures and tamper alarms; each figure names the events it
-counts. Charts are inline SVG drawn with matplotlib: no script, nothing loaded from elsewhere.
+retention, legal holds and exports, key and role changes, models in service, acceptance
+drift, replays, the chain verification, witness cosignatures and tamper alarms; each figure
+names the events it counts. Charts are inline SVG drawn with matplotlib: no script, nothing
+loaded from elsewhere.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ _KINDS = (
     "alarm_cleared",
     "replay",
     "tune_measure",
+    "acceptance_drift",
 )
 COSIGNATURE_MAX_AGE = timedelta(hours=24)
 
@@ -73,6 +75,8 @@ class ReportData:
     # The store_content setting of the newest start before the period (None: no start before).
     storage_at_start: bool | None = None
     fallback_events: list[dict[str, Any]] = field(default_factory=list)
+    # Drifts of a workload's acceptance away from what tuning measured, as they started.
+    drift_events: list[dict[str, Any]] = field(default_factory=list)
     erasure_requests: list[dict[str, Any]] = field(default_factory=list)
     retention_expiries: list[dict[str, Any]] = field(default_factory=list)
     holds: list[dict[str, Any]] = field(default_factory=list)
@@ -277,6 +281,7 @@ def _listed(data: ReportData, kind: str, payload: dict[str, Any]) -> list[dict[s
         "export": data.exports,
         "replay": data.replays,
         "tune_measure": data.tuning_runs,
+        "acceptance_drift": data.drift_events,
         "cosignature": data.cosignatures,
         "tamper_detected": data.tamper,
         "alarm_cleared": data.alarms_cleared,

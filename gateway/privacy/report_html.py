@@ -271,6 +271,27 @@ def _requests(data: ReportData) -> str:
                 ],
                 "No fallback events in the period.",
             ),
+            "<p>Acceptance drift: a workload's speculation accepting less than tuning measured "
+            "(or than the floor), as each drift started.</p>",
+            table(
+                ["at", "model", "method", "workload", "rolling", "expected", "floor", "reason"],
+                [
+                    [
+                        e["at"],
+                        e.get("model"),
+                        e.get("method"),
+                        e.get("workload"),
+                        e.get("rolling_acceptance"),
+                        e.get("expected_acceptance"),
+                        e.get("floor"),
+                        e.get("reason"),
+                    ]
+                    for e in data.drift_events
+                ],
+                "No acceptance drift in the period.",
+                "acceptance-drift",
+            ),
+            source("acceptance_drift events in the period"),
         ]
     )
 

@@ -74,11 +74,16 @@ def recommend(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def expected_acceptance(model: dict[str, Any]) -> dict[str, float]:
-    """Per method, the acceptance rate the report measured on all of a model's traffic: the
-    recommended variant's for the recommended method, else the method's best variant's."""
-    rows = next(c["rows"] for c in model["clusters"] if c["cluster"] == "all")
-    recommended = model["recommendation"]
+def expected_acceptance(model: dict[str, Any], cluster: str = "all") -> dict[str, float]:
+    """Per method, the acceptance rate the report measured on a model's ``cluster`` (by
+    default all of its traffic, whose recommendation is the model's): the recommended
+    variant's for the cluster's recommended method, else the method's best variant's; empty
+    where the report has no such cluster."""
+    found = next((c for c in model["clusters"] if c["cluster"] == cluster), None)
+    if found is None:
+        return {}
+    rows = found["rows"]
+    recommended = found["recommendation"]
     expected: dict[str, float] = {}
     for method in sorted({row["method"] for row in rows} - {"none"}):
         own = [row for row in rows if row["method"] == method]

@@ -12,7 +12,7 @@ from gateway.backends.base import GenerationBackend
 from gateway.backends.local import LocalBackend
 from gateway.backends.vllm import VllmBackend
 
-OFFERS = ("speculation_crossover", "divergence")
+OFFERS = ("speculation_crossover", "speculation_speedup", "divergence")
 GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
 
 
@@ -24,13 +24,17 @@ def test_the_protocol_declares_each_offer() -> None:
 def test_vllm_offers_neither() -> None:
     backend: Any = object.__new__(VllmBackend)
     assert backend.speculation_crossover is None
+    assert backend.speculation_speedup is None
     assert backend.divergence is None
 
 
 def test_the_local_engine_offers_both() -> None:
     backend: Any = object.__new__(LocalBackend)
-    backend.engine = SimpleNamespace(speculation_crossover=lambda method: 3.5)
+    backend.engine = SimpleNamespace(
+        speculation_crossover=lambda method: 3.5, estimated_speedup=lambda *figures: 1.25
+    )
     assert backend.speculation_crossover("ngram") == 3.5
+    assert backend.speculation_speedup("ngram", 8, 4, 2, 6) == 1.25
     assert callable(backend.divergence)
 
 

@@ -39,6 +39,7 @@ class RelabelledBackend:
         self.health = inner.health
         self.fallback_state = inner.fallback_state
         self.speculation_crossover = inner.speculation_crossover
+        self.speculation_speedup = inner.speculation_speedup
         self.divergence = inner.divergence
         self.close = inner.close
 
