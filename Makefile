@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install vllm run demo draft test lint bench clean
+.PHONY: install vllm run demo draft test lint bench clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,3 +67,14 @@ bench: demo
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# What bench/gpu_check.sh needs on a GPU machine whose image has PyTorch but no network, in
+# .whl/ (carried there): the packages of bench/gpu_wheels.txt as CPython 3.12 manylinux wheels,
+# and the demo target's configuration and tokenizer without its weights (bench/demo_shape.py).
+gpu-wheels: demo
+	$(BIN)/python -c "from pathlib import Path; from bench.demo_shape import copy_shape; \
+	  from engine.training.demo.paths import default_demo_dir; \
+	  copy_shape(default_demo_dir() / 'target', Path('.whl/demo-shape'))"
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl -r bench/gpu_wheels.txt

@@ -20,7 +20,9 @@ on the same weights, in turn:
   ``StaticCache`` under ``torch.compile`` (inductor), gpt-fast's shape of a decode step,
   seconds per step after a compilation timed once before the rounds.
 
-Medians over rounds (each round runs all three, so load drifts hit them alike). Then a torch
+Medians over rounds (each round runs all three, so load drifts hit them alike). On CUDA the
+clock reads after the device has finished, and the engine step is set against the bandwidth
+bound: the weights' bytes over the device's measured copy bandwidth. Then a torch
 profiler table of ``--profile-steps`` packed engine steps (prefill excluded), by operator.
 """
 
@@ -50,6 +52,29 @@ from engine.training.demo.paths import default_demo_dir
 # passively), which other processes on shared cores inflate far less than wall time.
 _CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _clock = time.perf_counter
+_device = torch.device("cpu")
+
+
+def _now() -> float:
+    """The clock, once the device has finished what was queued (CUDA runs asynchronously)."""
+    if _device.type == "cuda":
+        torch.cuda.synchronize(_device)
+    return _clock()
+
+
+def bandwidth_bound_s(model: PreTrainedModel) -> float:
+    """Seconds per token of plain decoding if reading every weight once per token at the
+    device's copy bandwidth (a device-to-device copy of 1 GiB, bytes read and written) were
+    all it cost: the bound the step's time is compared with on a GPU."""
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=_device)
+    target = torch.empty_like(source)
+    target.copy_(source)  # warm-up
+    started = _now()
+    for _ in range(5):
+        target.copy_(source)
+    bandwidth = 2 * source.numel() * 5 / (_now() - started)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights / bandwidth
 
 PROMPT = "Write a Python function that checks whether a number is prime, with a docstring."
 
@@ -72,10 +97,10 @@ class ModelTimer:
         model.register_forward_hook(lambda *_: self._stop())
 
     def _start(self) -> None:
-        self._started = _clock()
+        self._started = _now()
 
     def _stop(self) -> None:
-        self.calls.append(_clock() - self._started)
+        self.calls.append(_now() - self._started)
 
 
 def engine_steps(
@@ -92,11 +117,11 @@ def engine_steps(
     params = SamplingParams(max_tokens=steps, temperature=0.0)
     generator = torch.Generator().manual_seed(0)
     with around or contextlib.nullcontext():
-        started = _clock()
+        started = _now()
         for _ in range(steps):
             row = StepRow(0, context, Proposal([]), params, generator)
             context.append(run_step(runner, [row])[0].next_token)
-        seconds = _clock() - started
+        seconds = _now() - started
     return seconds / steps, context[len(prompt) :]
 
 
@@ -104,8 +129,8 @@ def engine_steps(
 def hf_generate(model: PreTrainedModel, prompt: list[int], steps: int) -> tuple[float, list[int]]:
     """Seconds per new token of greedy ``generate`` (prefill included, as a user times it),
     and the tokens it wrote."""
-    ids = torch.tensor([prompt])
-    started = _clock()
+    ids = torch.tensor([prompt], device=model.device)
+    started = _now()
     out = GenerationMixin.generate(
         model,
         input_ids=ids,
@@ -114,7 +139,7 @@ def hf_generate(model: PreTrainedModel, prompt: list[int], steps: int) -> tuple[
         min_new_tokens=steps,
         do_sample=False,
     )
-    seconds = _clock() - started
+    seconds = _now() - started
     return seconds / steps, out[0, len(prompt) :].tolist()
 
 
@@ -137,19 +162,20 @@ class CompiledDecode:
     def run(self, prompt: list[int], steps: int) -> tuple[float, list[int]]:
         """Seconds per step over ``steps`` steps after an eager prefill, and the tokens."""
         self.cache = StaticCache(config=self.model.config, max_cache_len=len(prompt) + steps + 1)
-        ids = torch.tensor([prompt])
+        device = self.model.device
+        ids = torch.tensor([prompt], device=device)
         out = self.model(
-            input_ids=ids, past_key_values=self.cache, cache_position=torch.arange(len(prompt)),
-            use_cache=True,
+            input_ids=ids, past_key_values=self.cache,
+            cache_position=torch.arange(len(prompt), device=device), use_cache=True,
         )
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         written = [int(token)]
-        started = _clock()
+        started = _now()
         for i in range(steps):
-            logits = self.step(token, torch.tensor([len(prompt) + i]))
+            logits = self.step(token, torch.tensor([len(prompt) + i], device=device))
             token = logits.argmax(-1, keepdim=True)
             written.append(int(token))
-        return (_clock() - started) / steps, written[:steps]
+        return (_now() - started) / steps, written[:steps]
 
 
 def profile_table(model: PreTrainedModel, prompt: list[int], steps: int) -> str:
@@ -177,11 +203,11 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    global _clock
+    global _clock, _device
     _clock = _CLOCKS[args.clock]
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device = pick_device(None)
+    device = _device = pick_device(None)
     model = load_model(args.target, device, args.dtype)
     pack_linear_weights(model)
     unpacked = load_model(args.target, device, args.dtype)
@@ -222,6 +248,11 @@ def main() -> None:
         rounds = " ".join(f"{t * 1e3:.1f}" for t in times[key])
         print(f"{label:16s} median {median * 1e3:7.2f} ms ({1 / median:5.1f} tok/s)  "
               f"rounds {rounds}")
+    if device.type == "cuda":
+        bound = bandwidth_bound_s(model)
+        engine = statistics.median(times["engine"])
+        print(f"bandwidth bound  {bound * 1e3:7.2f} ms per token (the weights read once at the "
+              f"copy bandwidth); the engine step takes {engine / bound:.2f}x of it")
     for key in [key for key in ("unpacked", "hf", "compiled") if key in tokens]:
         pairs = zip(tokens["engine"], tokens[key], strict=True)
         same = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
