@@ -45,11 +45,7 @@ from engine.speculation.adaptive import PassCosts
 from engine.speculation.batch_speculation import BatchSpeculation, Sequence, StepCosts
 from engine.speculation.logits_processors import LogitsProcessing
 from engine.speculation.proposers.base import Proposal
-from engine.speculation.proposers.batched_draft import (
-    BatchedDraft,
-    BatchedDraftProposer,
-    DraftRequest,
-)
+from engine.speculation.proposers.draft import DraftPool, DraftProposer, DraftRequest
 from engine.speculation.request import Speculation, record_proposal_cost
 
 _tracer = trace.get_tracer("specgate.engine")
@@ -321,18 +317,18 @@ class BatchScheduler:
 
     def _propose_all(self, active: list[ActiveSequence], lengths: list[int]) -> list[Proposal]:
         """Each sequence's proposal of its chosen length: the draft model's sequences in
-        shared draft passes (``BatchedDraft``), the others one by one."""
+        shared draft passes (``DraftPool``), the others one by one."""
         proposals = [Proposal([]) for _ in active]
-        shared: dict[int, tuple[BatchedDraft, list[int], list[DraftRequest]]] = {}
+        shared: dict[int, tuple[DraftPool, list[int], list[DraftRequest]]] = {}
         for index, (seq, k) in enumerate(zip(active, lengths, strict=True)):
             speculation = seq.speculation
             if speculation is None or k <= 0:
                 continue
             proposer = speculation.proposer
             params = seq.handle.request.sampling
-            if isinstance(proposer, BatchedDraftProposer):
-                drafts = proposer.drafts
-                _, indices, requests = shared.setdefault(id(drafts), (drafts, [], []))
+            if isinstance(proposer, DraftProposer):
+                pool = proposer.pool
+                _, indices, requests = shared.setdefault(id(pool), (pool, [], []))
                 indices.append(index)
                 requests.append(
                     DraftRequest(
@@ -355,12 +351,12 @@ class BatchScheduler:
                     self.costs, proposer, time.perf_counter() - started,
                     len(proposals[index].tokens),
                 )
-        for drafts, indices, requests in shared.values():
+        for pool, indices, requests in shared.values():
             started = time.perf_counter()
-            rows = drafts.catch_up(requests)
+            rows = pool.catch_up(requests)
             self.costs.record_catch_up("draft", rows, time.perf_counter() - started)
             started = time.perf_counter()
-            drafted = drafts.propose(requests)
+            drafted = pool.propose(requests)
             for index, proposal in zip(indices, drafted, strict=True):
                 proposals[index] = proposal
             self._record_proposer("draft", started, drafted)
@@ -402,9 +398,7 @@ class BatchScheduler:
     def _close(self, seq: ActiveSequence) -> None:
         seq.done = True
         self.runner.release(seq.slot)
-        if seq.speculation is not None and isinstance(
-            seq.speculation.proposer, BatchedDraftProposer
-        ):
+        if seq.speculation is not None and isinstance(seq.speculation.proposer, DraftProposer):
             seq.speculation.proposer.finish()
         if seq.span is not None:
             if seq.started_decoding:
@@ -416,9 +410,9 @@ class BatchScheduler:
 
 def _catch_up(seq: ActiveSequence) -> int:
     """Committed tokens the sequence's proposer must feed before it can propose again (a
-    batched draft whose cache fell behind during plain steps); 0 for the others."""
+    draft whose cache fell behind during plain steps); 0 for the others."""
     proposer = seq.speculation.proposer if seq.speculation is not None else None
-    if isinstance(proposer, BatchedDraftProposer) and proposer.slot is not None:
+    if isinstance(proposer, DraftProposer) and proposer.slot is not None:
         return proposer.catch_up_rows(seq.context)
     return 0
 

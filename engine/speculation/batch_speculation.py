@@ -13,7 +13,7 @@ measurement (``crossover``), not a setting.
 
 A batch that runs plain steps costs a plain step: no proposer runs (a draft model's cache
 falls behind and catches up in one shared pass when speculation resumes,
-``engine.speculation.proposers.batched_draft``), and the choice only leaves plain steps for a k
+``engine.speculation.proposers.draft``), and the choice only leaves plain steps for a k
 that beats them by ``SWITCH_MARGIN``, with the catch-up it will cost counted
 (``Candidate.resume_seconds``), so it does not flip with the noise of the measured step costs. Now
 and then it probes: a step in which adaptive sequences propose one token, after

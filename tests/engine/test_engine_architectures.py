@@ -23,9 +23,12 @@ from engine.api.types import (
     SpeculativeChoice,
 )
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.models.batched_runner import Feed
 from engine.models.kv_cache import save_recurrent_states
 from engine.models.model_runner import ModelRunner
+from engine.models.serial_runner import SerialRunner
 from engine.serving.service import Engine
+from engine.speculation.proposers.draft import DraftProposer
 from tests.engine.test_engine_sampling import (
     SIGNIFICANCE,
     chi_square_p_value,
@@ -225,6 +228,54 @@ def test_every_method_equals_plain_decoding_and_transformers(
         engine.close()
 
 
+def test_a_sliding_window_draft_drafts_for_a_shared_batch_through_the_one_proposer(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A target that batches, its draft one whose cache slots cannot share a pass (Mistral's
+    sliding window): the same ``DraftProposer`` drafts, its pool on a ``SerialRunner`` with a
+    slot per sequence, drafting for every sequence of a step; greedy outputs of the shared batch
+    equal plain decoding, with rollbacks past the draft's window."""
+    mistral, draft = build(tmp_path, "mistral-sliding", tokenizer)
+    # The same weights as a Llama (full attention; Mistral's layout): a target that batches.
+    llama = transformers.LlamaForCausalLM(ARCHITECTURES["llama"](_common(tokenizer)))
+    llama.load_state_dict(AutoModelForCausalLM.from_pretrained(mistral).state_dict())
+    llama.save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    spec = SpeculativeConfig(acceptance_threshold=0.0, min_speedup=0.0, max_speculative_tokens=4)
+    engine = Engine.load(EngineConfig(target=tmp_path / "llama", draft=draft, dtype="float32",
+                                      speculative=spec, max_num_seqs=3, cpu_threads=1))
+    try:
+        assert engine.batching
+        prototype = engine._proposers["draft"]
+        assert isinstance(prototype, DraftProposer)
+        pool = prototype.pool
+        assert isinstance(pool.runner, SerialRunner)
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        prompt = tokenizer.encode(PROMPT)
+        prompts = [tuple(prompt[i:]) for i in range(3)]
+
+        def request(prompt: tuple[int, ...], method: str) -> GenerationRequest:
+            return GenerationRequest(prompt, params, SpeculativeChoice(method, 3))  # type: ignore[arg-type]
+
+        plain = [engine.generate(request(p, "none")).token_ids for p in prompts]
+        feeds_per_pass: list[int] = []
+        forward = pool.runner.forward
+
+        def spy(feeds: list[Feed], last_only: bool = False) -> list[torch.Tensor]:
+            feeds_per_pass.append(len(feeds))
+            return forward(feeds, last_only)
+
+        monkeypatch.setattr(pool.runner, "forward", spy)
+        handles = [engine.submit(request(p, "draft")) for p in prompts]
+        results = [handle.result() for handle in handles]
+        assert [result.token_ids for result in results] == plain
+        assert max(feeds_per_pass) == len(prompts)  # one step drafted for all three
+        for result in results:
+            assert 0 < result.stats.num_accepted_tokens < result.stats.num_draft_tokens
+    finally:
+        engine.close()
+
+
 # Each step feeds that many tokens (> 0) then keeps all but ``drop`` of them, as a
 # verification pass followed by a rollback does; several feeds in a row before a rollback
 # are what a draft model does while it proposes.
@@ -305,7 +356,7 @@ def test_sampling_past_the_window_draws_from_the_target(
     try:
         params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
         prompt = tokenizer.encode(PROMPT)
-        draft_model = engine._proposers["draft"].runner.model  # type: ignore[attr-defined]
+        draft_model = engine._proposers["draft"].pool.runner.model  # type: ignore[attr-defined]
         p = next_token_probs(engine._target.model, [prompt], params)[0]
         q = next_token_probs(draft_model, [prompt], params)[0]
         assert 0.05 < 0.5 * float((p - q).abs().sum()) < 0.95  # a wrong rule would show

@@ -17,7 +17,7 @@ from engine.api.types import GenerationRequest, SamplingParams, SpeculativeChoic
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.models.batched_runner import Feed
 from engine.serving.service import Engine
-from engine.speculation.proposers.batched_draft import SHARED_PENDING_ROWS, BatchedDraftProposer
+from engine.speculation.proposers.draft import SHARED_PENDING_ROWS, DraftProposer
 from tests.tiny_models import build_noisy_copy, build_pair
 
 
@@ -58,7 +58,7 @@ def spy_passes(
     """Every target decode pass's and every draft pass's rows per feed, from now on."""
     target_runner = engine._runner
     prototype = engine._proposers["draft"]
-    assert target_runner is not None and isinstance(prototype, BatchedDraftProposer)
+    assert target_runner is not None and isinstance(prototype, DraftProposer)
     target_passes: list[list[int]] = []
     draft_passes: list[list[int]] = []
 
@@ -73,7 +73,7 @@ def spy_passes(
     monkeypatch.setattr(
         target_runner, "_shared_pass", spying(target_passes, target_runner._shared_pass, False)
     )
-    draft_runner = prototype.drafts.runner
+    draft_runner = prototype.pool.runner
     monkeypatch.setattr(
         draft_runner, "_shared_pass", spying(draft_passes, draft_runner._shared_pass, True)
     )
@@ -137,8 +137,8 @@ def test_drafts_that_fell_behind_catch_up_in_one_shared_pass(
 
 def test_a_draft_catch_up_pass_computes_no_logits(engine: Engine) -> None:
     prototype = engine._proposers["draft"]
-    assert isinstance(prototype, BatchedDraftProposer)
-    runner = prototype.drafts.runner
+    assert isinstance(prototype, DraftProposer)
+    runner = prototype.pool.runner
     head = runner.model.get_output_embeddings()
     assert isinstance(head, torch.nn.Module)
     rows: list[int] = []  # the rows the LM head computes logits for, per pass
@@ -149,7 +149,7 @@ def test_a_draft_catch_up_pass_computes_no_logits(engine: Engine) -> None:
     # Whichever forward the runner chose at load (HF's modules or engine.models.lean_llama's), the
     # head is called as a module, so the hook sees its rows.
     hook = head.register_forward_pre_hook(spy)
-    first, second = prototype.drafts.acquire(), prototype.drafts.acquire()
+    first, second = prototype.pool.acquire(), prototype.pool.acquire()
     try:
         runner.fill([Feed(first, list(range(5, 25))), Feed(second, list(range(30, 40)))])
         hook.remove()
@@ -162,5 +162,5 @@ def test_a_draft_catch_up_pass_computes_no_logits(engine: Engine) -> None:
         torch.testing.assert_close(after, alone, rtol=0, atol=1e-4)
     finally:
         hook.remove()
-        prototype.drafts.release(first)
-        prototype.drafts.release(second)
+        prototype.pool.release(first)
+        prototype.pool.release(second)

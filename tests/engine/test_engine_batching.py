@@ -27,7 +27,7 @@ from engine.serving.service import Engine
 from engine.speculation.adaptive import PassCosts, RunLengths, SpeculationLength
 from engine.speculation.batch_speculation import BatchSpeculation, Sequence, StepCosts, crossover
 from engine.speculation.proposers import NgramProposer
-from engine.speculation.proposers.batched_draft import BatchedDraftProposer
+from engine.speculation.proposers.draft import DraftProposer
 from engine.speculation.request import Speculation
 from tests.engine.test_engine_sampling import (
     SAMPLES,
@@ -220,10 +220,10 @@ def test_the_draft_drafts_for_every_draft_sequence_in_shared_passes(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prototype = engine._proposers["draft"]
-    assert isinstance(prototype, BatchedDraftProposer)
-    drafts = prototype.drafts
+    assert isinstance(prototype, DraftProposer)
+    pool = prototype.pool
     feeds_per_pass: list[int] = []
-    forward = drafts.runner.forward
+    forward = pool.runner.forward
 
     def spy(feeds: list[Feed], last_only: bool = False) -> list[torch.Tensor]:
         if not last_only:  # catch-up passes of one sequence's prompt are last_only
@@ -234,12 +234,12 @@ def test_the_draft_drafts_for_every_draft_sequence_in_shared_passes(
         make_request([50, 51, 52], "draft", 2, 16, temperature=0.7, seed=3)
     ]
     alone = [engine.generate(request).token_ids for request in built]
-    monkeypatch.setattr(drafts.runner, "forward", spy)
+    monkeypatch.setattr(pool.runner, "forward", spy)
     handles = [engine.submit(request) for request in built]
     assert [handle.result().token_ids for handle in handles] == alone
     assert max(feeds_per_pass) == len(built)  # one pass drafted for all four
     # Every finished request gave its draft slot back (the engine's own proposer may hold one).
-    assert len(drafts._free) >= drafts.runner.max_slots - 1
+    assert len(pool._free) >= pool.runner.max_slots - 1
 
 
 def test_batch_invariant_mode_runs_each_sequence_in_a_pass_of_its_own(

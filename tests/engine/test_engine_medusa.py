@@ -444,14 +444,12 @@ def test_the_built_in_tree_holds_more_nodes_than_16_best_first() -> None:
 def test_every_proposer_says_in_the_protocol_whether_it_proposes_trees() -> None:
     """``proposes_trees`` and ``most_tokens`` are ``Proposer`` members every proposer
     declares (they were looked up beside the protocol, a chain proposer saying nothing)."""
-    from engine.speculation.proposers.batched_draft import BatchedDraftProposer
-    from engine.speculation.proposers.draft import DraftModelProposer
+    from engine.speculation.proposers.draft import DraftProposer
     from engine.speculation.proposers.ngram import NgramProposer
     from engine.speculation.proposers.translating import TranslatingDraftProposer
 
     assert {"proposes_trees", "most_tokens"} <= set(Proposer.__annotations__)
-    for chain in (NgramProposer, DraftModelProposer, BatchedDraftProposer,
-                  TranslatingDraftProposer):
+    for chain in (NgramProposer, DraftProposer, TranslatingDraftProposer):
         assert chain.proposes_trees is False and chain.most_tokens is None
 
 

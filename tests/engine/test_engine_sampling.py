@@ -147,7 +147,7 @@ def draw(
 def test_draft_model_sampling_is_exact(engine: Engine, setting: str) -> None:
     params = SETTINGS[setting]
     prompt = engine.tokenizer.encode("def add(a, b):\n")
-    draft_model = engine._proposers["draft"].runner.model  # type: ignore[attr-defined]
+    draft_model = engine._proposers["draft"].pool.runner.model  # type: ignore[attr-defined]
     p = next_token_probs(engine._target.model, [prompt], params)[0]
     q = next_token_probs(draft_model, [prompt], params)[0]
     distance = 0.5 * float((p - q).abs().sum())
@@ -178,7 +178,7 @@ def test_draft_sampling_that_stops_where_the_draft_is_unsure_is_exact(engine: En
     params = SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True)
     prompt = engine.tokenizer.encode("def add(a, b):\n")
     draft = engine._proposers["draft"]
-    q = next_token_probs(draft.runner.model, [prompt], params)[0]  # type: ignore[attr-defined]
+    q = next_token_probs(draft.pool.runner.model, [prompt], params)[0]  # type: ignore[attr-defined]
     min_confidence = float(q.max()) * 0.9
     counts: Counter[tuple[int, int]] = Counter()
     proposed: Counter[int] = Counter()
@@ -208,7 +208,7 @@ def test_the_chi_square_check_rejects_the_draft_distribution(engine: Engine) -> 
     """Power check: samples from the draft alone are told apart from the target."""
     params = SETTINGS["temperature 1"]
     prompt = engine.tokenizer.encode("def add(a, b):\n")
-    draft_model = engine._proposers["draft"].runner.model  # type: ignore[attr-defined]
+    draft_model = engine._proposers["draft"].pool.runner.model  # type: ignore[attr-defined]
     q = next_token_probs(draft_model, [prompt], params)[0]
     generator = torch.Generator().manual_seed(0)
     firsts = torch.multinomial(q, SAMPLES, replacement=True, generator=generator).tolist()

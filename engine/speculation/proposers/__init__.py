@@ -5,7 +5,7 @@ imports every module of this package on its first look-up.
 """
 
 from engine.speculation.proposers.base import Proposal, Proposer
-from engine.speculation.proposers.draft import DraftModelProposer
+from engine.speculation.proposers.draft import DraftProposer
 from engine.speculation.proposers.ngram import NgramProposer
 
-__all__ = ["DraftModelProposer", "NgramProposer", "Proposal", "Proposer"]
+__all__ = ["DraftProposer", "NgramProposer", "Proposal", "Proposer"]

@@ -1,32 +1,44 @@
-"""A small draft model proposes k tokens autoregressively with its own KV cache.
+"""A small draft model proposes k tokens autoregressively, for every drafting sequence of a
+step together.
 
-Given ``min_confidence`` it stops after a token it is unsure of (its probability, or for a
-sampled token the draft's top probability, below the threshold), like Hugging Face's
-``assistant_confidence_threshold``: a distilled draft is unsure exactly where the target
-tends to disagree, so the passes it would spend past that point are mostly wasted. Where the
-proposal stops depends only on the draft's own state, so verification stays exact.
+``DraftPool`` owns the draft model's runner, a cache slot per request; each request that drafts
+holds a ``DraftProposer``, a slot in it. ``DraftPool.propose`` takes every drafting sequence of
+a step and runs one draft pass per draft position over all of them: the first feeds what each
+sequence's draft cache lacks (its last committed token, plus any accepted tokens the draft never
+saw), the next ones the token each has just drawn. A sequence leaves the passes once its
+proposal is complete (its k, a token it is unsure of, nothing the constraints allow). Each token
+is drawn from the sequence's own generator (``engine.speculation.proposers.drafting``), so a
+sequence's draws do not depend on what else drafts beside it.
 
-The draft proposes only ids below ``proposable_ids`` (the ids its tokenizer shares with the
-target's, padded embedding rows excluded) and hands its probabilities over the target's
-``target_ids`` (zero beyond), so a draft padded to another size verifies like any other.
-A draft whose head covers a frequency-ranked subset of the vocabulary (``vocabulary``, the
-sorted ids its head rows stand for; see ``engine.speculation.proposers.vocabulary``) scores only
-those rows and proposes only those tokens: q is 0 elsewhere, which rejection sampling handles like
-any other q. Past its own ``window`` of positions (a draft built for a shorter context than
-the target's) it steps aside: it proposes nothing and the target decodes plainly.
+The runner is a ``BatchedRunner`` where target and draft batch (the passes are shared); for a
+draft or target whose cache slots cannot share a pass (sliding-window, chunked or recurrent
+layers) it is a ``SerialRunner``, a Hugging Face cache per slot, which runs each pass's feeds
+one after another. Either way the same proposer drafts.
+
+A sequence whose draft cache lacks many tokens (the prompt, at its first proposal, or what
+the batch committed while it ran plain steps) catches up first (``catch_up``): nothing runs
+the draft while a sequence does not propose, and when it proposes again every such sequence
+of the step catches up in one shared pass that computes no logits (in the padded batch their
+rows would widen every drafting pass). Past its own ``window`` of positions (a draft built for
+a shorter context than the target's) the draft steps aside: it proposes nothing and the target
+decodes plainly.
 
 Registered as the method ``draft`` (vLLM's ``draft_model``); it loads the model in
-``EngineConfig.draft``, recorded in the audit log as a ``draft_model`` artefact.
+``EngineConfig.draft``, recorded in the audit log as a ``draft_model`` artefact. A draft with
+another tokenizer proposes through ``engine.speculation.proposers.translating``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from transformers import PreTrainedModel
 
 from engine.api.types import IncompatibleDraftError, Method, SamplingParams
 from engine.models.batched_cache import supports_batching
+from engine.models.batched_runner import BatchedRunner, Feed
 from engine.models.loading import (
     check_draft_compatible,
     context_window,
@@ -37,6 +49,7 @@ from engine.models.loading import (
 )
 from engine.models.model_runner import ModelRunner
 from engine.models.packed_linear import pack_linear_weights
+from engine.models.serial_runner import SerialRunner
 from engine.models.versioning import model_version
 from engine.speculation.logits_processors import LogitsProcessing
 from engine.speculation.methods import (
@@ -48,122 +61,36 @@ from engine.speculation.methods import (
     register,
 )
 from engine.speculation.proposers.base import Proposal, Proposer, TokenProposer
+from engine.speculation.proposers.drafting import DraftHead, Drafting, agreeing_prefix
 from engine.speculation.proposers.translating import TranslatingDraftProposer
 from engine.speculation.proposers.vocabulary import load_head_vocabulary, restrict_head
-from engine.speculation.sampling import probabilities, sample
+
+# A sequence lacking more than this many tokens in its draft cache catches up first.
+SHARED_PENDING_ROWS = 4
 
 
-class DraftHead:
-    """What the draft may propose and how its logits map onto the target's ids."""
+class DraftRunner(Protocol):
+    """What the pool runs the draft model on: ``BatchedRunner`` or ``SerialRunner``."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        target_ids: int,
-        proposable_ids: int,
-        vocabulary: torch.Tensor | None = None,
-    ) -> None:
-        self.target_ids = target_ids
-        self.vocabulary = vocabulary
-        # Ids the draft can read (its input embeddings; the head may be a subset).
-        self.draft_ids = input_rows(model)  # type: ignore[arg-type]
-        # The head rows it may propose from: a prefix, since a subset's ids are sorted.
-        self.rows = (
-            proposable_ids
-            if vocabulary is None
-            else int(torch.searchsorted(vocabulary, proposable_ids).item())
-        )
+    model: PreTrainedModel
+    max_slots: int
 
-    def readable(self, tokens: list[int]) -> bool:
-        return all(t < self.draft_ids for t in tokens)
+    def forward(self, feeds: list[Feed], last_only: bool = False) -> list[torch.Tensor]: ...
 
-    def token(self, row: int) -> int:
-        return row if self.vocabulary is None else int(self.vocabulary[row])
+    def fill(self, feeds: list[Feed]) -> None: ...
 
-    def over_target_ids(self, q: torch.Tensor, fill: float) -> torch.Tensor:
-        """Values over the head's rows placed on the target's ids, ``fill`` everywhere else."""
-        if self.vocabulary is None:
-            return torch.nn.functional.pad(q, (0, self.target_ids - len(q)), value=fill)
-        full = q.new_full((self.target_ids,), fill)
-        full[self.vocabulary[: self.rows].to(q.device)] = q
-        return full
+    def truncate(self, slot: int, length: int) -> None: ...
+
+    def release(self, slot: int) -> None: ...
 
 
-@dataclass
-class Drafting:
-    """One sequence's proposal being drawn, a token per draft pass, with its own generator."""
-
-    head: DraftHead
-    k: int
-    params: SamplingParams
-    generator: torch.Generator
-    min_confidence: float = 0.0
-    processing: LogitsProcessing | None = None
-    tokens: list[int] = field(default_factory=list)
-    rows: list[torch.Tensor] = field(default_factory=list)
-    done: bool = False
-
-    def take(self, logits: torch.Tensor) -> int | None:
-        """Draw the next token from the draft's last logits row; None once the proposal is
-        complete (k tokens, a token it is unsure of, or nothing the constraints allow)."""
-        logits = logits[: self.head.rows]
-        head, params, min_confidence = self.head, self.params, self.min_confidence
-        if self.processing is not None:
-            # Processed over the target's ids, as the target's rows are: the draft's
-            # logits placed on their ids, -inf where the draft cannot propose.
-            full = head.over_target_ids(logits, float("-inf"))
-            full = self.processing.apply(full.unsqueeze(0), [self.tokens])[0]
-            if not torch.isfinite(full.amax()):
-                self.done = True  # the draft has no token the constraints allow here
-                return None
-            index = int(full.argmax().item())
-            if params.greedy:
-                token = index
-                sure = min_confidence <= 0.0 or bool(
-                    torch.softmax(full, dim=-1)[index] >= min_confidence
-                )
-            else:
-                q = probabilities(full, params)
-                token = sample(q, self.generator)
-                self.rows.append(q)
-                sure = bool(q.max() >= min_confidence)
-        elif params.greedy:
-            index = int(logits.argmax().item())
-            token = head.token(index)
-            sure = min_confidence <= 0.0 or bool(
-                torch.softmax(logits, dim=-1)[index] >= min_confidence
-            )
-        else:
-            q = head.over_target_ids(probabilities(logits, params), 0.0)
-            token = sample(q, self.generator)
-            self.rows.append(q)
-            sure = bool(q.max() >= min_confidence)
-        self.tokens.append(token)
-        self.done = not sure or len(self.tokens) >= self.k
-        return None if self.done else token
-
-    def proposal(self) -> Proposal:
-        return Proposal(self.tokens, probs=torch.stack(self.rows) if self.rows else None)
-
-
-def agreeing_prefix(cached: list[int], agreed: int, context: list[int]) -> int:
-    """How much of the draft's cached tokens the committed ``context`` keeps: everything up
-    to ``agreed`` (the context at the last proposal), then as long as they match."""
-    keep = min(agreed, len(cached))
-    limit = min(len(cached), len(context))
-    while keep < limit and cached[keep] == context[keep]:
-        keep += 1
-    return keep
-
-
-class DraftModelProposer(TokenProposer):
-    method: Method = "draft"
-    proposes_trees = False
-    most_tokens: int | None = None
+class DraftPool:
+    """The draft model's runner, its slots (one per request holding a ``DraftProposer``) and
+    what it may propose."""
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: DraftRunner,
         target_ids: int,
         proposable_ids: int,
         window: int,
@@ -172,13 +99,117 @@ class DraftModelProposer(TokenProposer):
         self.runner = runner
         self.head = DraftHead(runner.model, target_ids, proposable_ids, vocabulary)
         self.window = window
-        # Token ids whose keys and values the draft cache holds, position for position.
-        self.cached: list[int] = []
-        # Length of the committed context at the last proposal: the cache agrees up to here.
-        self.agreed = 0
+        self._free = list(range(runner.max_slots))
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise RuntimeError("every draft slot is taken")
+        slot = self._free.pop(0)
+        self.runner.release(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.runner.release(slot)
+        self._free.append(slot)
+
+    def catch_up(self, requests: list[DraftRequest]) -> int:
+        """Feed every request's draft cache what it lacks but the last committed token (that
+        one the first drafting pass feeds), in one shared pass over those lacking more than
+        ``SHARED_PENDING_ROWS``; the rows fed (0: none needed it)."""
+        lagging = [
+            request
+            for request in requests
+            if self._can_draft(request) and request.proposer.catch_up_rows(request.context)
+        ]
+        if not lagging:
+            return 0
+        feeds = []
+        for request in lagging:
+            proposer = request.proposer
+            assert proposer.slot is not None, "start() the proposer first"
+            feeds.append(Feed(proposer.slot, request.context[len(proposer.cached) : -1]))
+        self.runner.fill(feeds)
+        for request, feed in zip(lagging, feeds, strict=True):
+            request.proposer.cached.extend(feed.tokens)
+        return sum(len(feed.tokens) for feed in feeds)
+
+    def _can_draft(self, request: DraftRequest) -> bool:
+        """Whether the request gets a proposal: room in the draft's window, and nothing its
+        draft cache lacks outside the draft's vocabulary."""
+        pending = request.context[len(request.proposer.cached) :]
+        return min(request.k, self.window - len(request.context)) > 0 and self.head.readable(
+            pending
+        )
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        """Every request's proposal, drafted in shared passes (after ``catch_up``)."""
+        self.catch_up(requests)
+        proposals = [Proposal([]) for _ in requests]
+        live: list[tuple[int, int, DraftProposer, list[int], Drafting]] = []
+        for index, request in enumerate(requests):
+            proposer, context = request.proposer, request.context
+            assert proposer.slot is not None, "start() the proposer first"
+            proposer.agreed = len(context)
+            if not self._can_draft(request):
+                continue
+            drafting = Drafting(
+                self.head,
+                min(request.k, self.window - len(context)),
+                request.params,
+                request.generator,
+                request.min_confidence,
+                request.processing,
+            )
+            live.append((index, proposer.slot, proposer, context[len(proposer.cached) :], drafting))
+        while live:
+            logits = self.runner.forward([Feed(slot, pending) for _, slot, _, pending, _ in live])
+            still = []
+            for (index, slot, proposer, pending, drafting), rows in zip(live, logits, strict=True):
+                proposer.cached.extend(pending)
+                token = drafting.take(rows[-1])
+                if token is None:
+                    proposals[index] = drafting.proposal()
+                else:
+                    still.append((index, slot, proposer, [token], drafting))
+            live = still
+        return proposals
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence's part of a shared drafting step (``Proposer.propose``'s arguments)."""
+
+    proposer: DraftProposer
+    context: list[int]
+    k: int
+    params: SamplingParams
+    generator: torch.Generator
+    min_confidence: float = 0.0
+    processing: LogitsProcessing | None = None
+
+
+class DraftProposer(TokenProposer):
+    """One request's place in a ``DraftPool``: a draft cache slot and what it holds."""
+
+    method: Method = "draft"
+    proposes_trees = False
+    most_tokens: int | None = None
+
+    def __init__(self, pool: DraftPool) -> None:
+        self.pool = pool
+        self.slot: int | None = None
+        self.cached: list[int] = []  # token ids the slot holds, position for position
+        self.agreed = 0  # length of the committed context at the last proposal
 
     def start(self, prompt_ids: list[int]) -> None:
-        self.runner.reset()
+        self.finish()
+        self.slot = self.pool.acquire()
+
+    def finish(self) -> None:
+        """The request is done: its slot goes back to the pool."""
+        if self.slot is not None:
+            self.pool.release(self.slot)
+            self.slot = None
         self.cached = []
         self.agreed = 0
 
@@ -191,26 +222,22 @@ class DraftModelProposer(TokenProposer):
         min_confidence: float = 0.0,
         processing: LogitsProcessing | None = None,
     ) -> Proposal:
-        # Feed whatever of the context the cache lacks (the last token, plus any accepted
-        # tokens the draft never saw), then extend one token at a time.
-        pending = context[len(self.cached) :]
-        self.agreed = len(context)
-        k = min(k, self.window - len(context))
-        if k <= 0 or not self.head.readable(pending):
-            return Proposal([])
-        drafting = Drafting(self.head, k, params, generator, min_confidence, processing)
-        while True:
-            logits = self.runner.forward(pending, last_only=True)[-1]
-            self.cached.extend(pending)
-            token = drafting.take(logits)
-            if token is None:
-                return drafting.proposal()
-            pending = [token]
+        """This request alone (the shared path is ``DraftPool.propose``)."""
+        request = DraftRequest(self, context, k, params, generator, min_confidence, processing)
+        return self.pool.propose([request])[0]
+
+    def catch_up_rows(self, context: list[int]) -> int:
+        """Tokens of ``context`` a separate catch-up pass must feed before this request can
+        draft (``DraftPool.catch_up``): 0 while its cache lacks at most
+        ``SHARED_PENDING_ROWS`` (those ride in the first drafting pass)."""
+        pending = len(context) - len(self.cached)
+        return pending - 1 if pending > SHARED_PENDING_ROWS else 0
 
     def accepted(self, context: list[int]) -> None:
         # Keep the cached prefix that agrees with the committed context; drop the rest.
         keep = agreeing_prefix(self.cached, self.agreed, context)
-        self.runner.truncate(keep)
+        assert self.slot is not None
+        self.pool.runner.truncate(self.slot, keep)
         del self.cached[keep:]
 
 
@@ -236,6 +263,12 @@ def _load(context: LoadContext) -> LoadedMethod:
     artefacts = (Artefact("draft_model", directory.name, model_version(directory)),)
     window = context_window(draft.config)
     target_ids = context.vocab_size
+
+    def calibrate(_proposer: Proposer) -> ModelRunner:
+        """A draft's cost per proposed token is one pass of its model (timed on a runner
+        of its own, so that no request's cache is touched)."""
+        return ModelRunner(draft)
+
     if translated:  # a translated draft keeps its full head, over its own ids
         pack_linear_weights(draft)
         tokenizer = context.tokenizer
@@ -244,50 +277,23 @@ def _load(context: LoadContext) -> LoadedMethod:
                 ModelRunner(draft), tokenizer, draft_tokenizer, target_ids=target_ids, window=window
             ),
             artefacts,
-            calibrate=_runner,
+            calibrate=calibrate,
         )
     vocabulary = load_head_vocabulary(directory, embedding_rows(draft))
     if vocabulary is not None:
         restrict_head(draft, vocabulary)
     pack_linear_weights(draft)  # after the head is cut: it packs the head it serves
     proposable = min(len(context.tokenizer), input_rows(draft), target_ids)
+    # A slot per running sequence, and one more for the engine's own proposer instance.
+    slots = config.max_num_seqs + 1
+    runner: DraftRunner
     if supports_batching(target.config) and supports_batching(draft.config):
-        # One draft cache with a slot per running sequence: a step drafts for all of them in
-        # shared passes (engine.speculation.proposers.batched_draft); one more slot for the
-        # engine's own proposer instance. Imported here: batched_draft builds on this module.
-        from engine.speculation.proposers.batched_draft import BatchedDraft, BatchedDraftProposer
-
-        drafts = BatchedDraft(
-            draft,
-            config.max_num_seqs + 1,
-            target_ids=target_ids,
-            proposable_ids=proposable,
-            window=window,
-            vocabulary=vocabulary,
-            invariant=config.batch_invariant,
-        )
-        return LoadedMethod(
-            lambda: BatchedDraftProposer(drafts),
-            artefacts,
-            calibrate=lambda _proposer: ModelRunner(draft),
-        )
-    return LoadedMethod(
-        lambda: DraftModelProposer(
-            ModelRunner(draft),
-            target_ids=target_ids,
-            proposable_ids=proposable,
-            window=window,
-            vocabulary=vocabulary,
-        ),
-        artefacts,
-        calibrate=_runner,
-    )
-
-
-def _runner(proposer: Proposer) -> ModelRunner | None:
-    """A draft's cost per proposed token is one pass of its model."""
-    assert isinstance(proposer, DraftModelProposer | TranslatingDraftProposer)
-    return proposer.runner
+        # Shared passes; only a batching target runs more than one sequence at a time.
+        runner = BatchedRunner(draft, slots, config.batch_invariant)
+    else:
+        runner = SerialRunner(*(ModelRunner(draft) for _ in range(slots)))
+    pool = DraftPool(runner, target_ids, proposable, window, vocabulary)
+    return LoadedMethod(lambda: DraftProposer(pool), artefacts, calibrate=calibrate)
 
 
 DRAFT = register(
