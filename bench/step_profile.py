@@ -159,23 +159,31 @@ class CompiledDecode:
         return out.logits[:, -1]
 
     @torch.inference_mode()
-    def run(self, prompt: list[int], steps: int) -> tuple[float, list[int]]:
-        """Seconds per step over ``steps`` steps after an eager prefill, and the tokens."""
-        self.cache = StaticCache(config=self.model.config, max_cache_len=len(prompt) + steps + 1)
+    def run(self, prompt: list[int], steps: int, batch: int = 1) -> tuple[float, list[list[int]]]:
+        """Seconds per step over ``steps`` steps after an eager prefill, ``batch`` copies of
+        ``prompt`` side by side, and each row's tokens. The cache is made once and reset
+        after (a new cache object would be a recompilation), so the first run's ``prompt``,
+        ``steps`` and ``batch`` bound the later ones'."""
+        if self.cache is None:
+            length = len(prompt) + steps + 1
+            self.cache = StaticCache(config=self.model.config, max_cache_len=length)
+        else:
+            self.cache.reset()
         device = self.model.device
-        ids = torch.tensor([prompt], device=device)
+        ids = torch.tensor([prompt] * batch, device=device)
         out = self.model(
             input_ids=ids, past_key_values=self.cache,
             cache_position=torch.arange(len(prompt), device=device), use_cache=True,
         )
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-        written = [int(token)]
+        written = [token[:, 0].tolist()]
         started = _now()
         for i in range(steps):
             logits = self.step(token, torch.tensor([len(prompt) + i], device=device))
             token = logits.argmax(-1, keepdim=True)
-            written.append(int(token))
-        return (_now() - started) / steps, written[:steps]
+            written.append(token[:, 0].tolist())  # read every step, as a server streams
+        seconds = (_now() - started) / steps
+        return seconds, [list(row) for row in zip(*written[:steps], strict=True)]
 
 
 def profile_table(model: PreTrainedModel, prompt: list[int], steps: int) -> str:
@@ -222,7 +230,7 @@ def main() -> None:
     compiled = CompiledDecode(reference) if args.compiled else None
     if compiled is not None:
         started = time.perf_counter()
-        compiled.run(prompt, 2)  # compiles
+        compiled.run(prompt, args.steps)  # compiles; sizes the cache
         print(f"torch.compile of the decode step: {time.perf_counter() - started:.1f} s")
         times["compiled"] = []
     for _ in range(args.rounds):
@@ -235,7 +243,7 @@ def main() -> None:
         step, tokens["hf"] = hf_generate(reference, prompt, args.steps)
         times["hf"].append(step)
         if compiled is not None:
-            step, tokens["compiled"] = compiled.run(prompt, args.steps)
+            step, (tokens["compiled"],) = compiled.run(prompt, args.steps)
             times["compiled"].append(step)
     print(f"{args.clock} clock, dtype {model.dtype}, torch threads {torch.get_num_threads()}, "
           f"prompt {len(prompt)} tokens, {args.steps} steps, {args.rounds} rounds, "
