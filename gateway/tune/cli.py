@@ -5,10 +5,9 @@ applying are audit events (``tune_measure``, ``tune_apply``)."""
 from __future__ import annotations
 
 import json
-from collections import Counter
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -17,6 +16,7 @@ from gateway.cli_privacy import content_stores
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
+    from gateway.tune.sample import Sample, Selection
 
 tune_app = typer.Typer(no_args_is_help=True)
 
@@ -34,6 +34,32 @@ def _settings(config: Path | None) -> Settings:
     except ConfigError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2) from None
+
+
+def _audited_sample(
+    settings: Settings,
+    database_url: str | None,
+    kind: str,
+    payload: dict[str, Any],
+    selection: Selection,
+) -> Sample:
+    """The run's sample, read after its ``kind`` audit event is appended
+    (``gateway.tune.sample.audited_sample``); one-line errors, and nothing read, where the
+    file cannot be read or the event cannot be appended."""
+    from gateway.audit.log import AuditUnavailableError
+    from gateway.tune.sample import RequestFileError, audited_sample
+
+    with content_stores(
+        settings, database_url, "the audit log is not reachable ({detail}); nothing was read"
+    ) as (db, audit, privacy):
+        try:
+            return audited_sample(db, audit, privacy, kind, _cli_actor(), payload, selection)
+        except (OSError, RequestFileError) as error:
+            typer.echo(f"error: {error}", err=True)
+            raise typer.Exit(2) from None
+        except AuditUnavailableError as error:
+            typer.echo(f"error: the run cannot be recorded, nothing was read: {error}", err=True)
+            raise typer.Exit(1) from None
 
 
 @tune_app.command("measure")
@@ -76,17 +102,9 @@ def measure(
     recommend a method and k per model. Erased subjects' content is never read; the run is a
     `tune_measure` audit event naming the requests and subjects read, appended before any
     content is decrypted."""
-    from gateway.audit.canonical import format_timestamp
-    from gateway.audit.log import AuditUnavailableError
     from gateway.tune.measure import DEFAULT_KS, assign, configured_models, measure_model
     from gateway.tune.report import build_report, write_report
-    from gateway.tune.sample import (
-        RequestFileError,
-        TuneRequest,
-        choose_recorded,
-        read_file,
-        read_recorded,
-    )
+    from gateway.tune.sample import Selection, TuneRequest
 
     if threads is not None:
         import torch
@@ -102,46 +120,12 @@ def measure(
     options: dict[str, Any] = {
         "ks": list(ks), "repeats": repeats, "max_tokens": max_tokens, "limit": limit,
     }
-    skipped: Counter[str] = Counter()
-    with content_stores(
-        settings, database_url, "the audit log is not reachable ({detail}); nothing was read"
-    ) as (_db, audit, privacy):
-        payload: dict[str, Any] = {"options": options, "models": [m.name for m in models]}
-        if requests is not None:
-            try:
-                chosen, sha256 = read_file(requests, limit)
-            except (OSError, RequestFileError) as error:
-                typer.echo(f"error: {error}", err=True)
-                raise typer.Exit(2) from None
-            source: dict[str, Any] = {"source": "file", "file": str(requests), "sha256": sha256}
-            payload.update(source, subject_refs=[], request_ids=[r.source_id for r in chosen])
-        else:
-            candidates = choose_recorded(
-                _db, privacy, limit=limit, since=since, until=until, include_held=include_held
-            )
-            skipped.update(candidates.skipped)
-            source = {
-                "source": "audit_log",
-                "since": format_timestamp(since) if since else None,
-                "until": format_timestamp(until) if until else None,
-                "include_held": include_held,
-            }
-            payload.update(
-                source,
-                request_event_ids=candidates.event_ids,
-                subject_refs=candidates.subject_refs,
-                skipped=dict(candidates.skipped),
-            )
-        try:
-            # Before any content is decrypted: a read that is not recorded cannot happen.
-            event = audit.append("tune_measure", _cli_actor(), payload)
-        except AuditUnavailableError as error:
-            typer.echo(f"error: the run cannot be recorded, nothing was read: {error}", err=True)
-            raise typer.Exit(1) from None
-        if requests is None:
-            recorded, unreadable = read_recorded(privacy, candidates)
-            skipped.update(unreadable)
-            chosen = recorded
+    selection = Selection(requests, limit, since, until, include_held)
+    sample = _audited_sample(
+        settings, database_url, "tune_measure",
+        {"options": options, "models": [m.name for m in models]}, selection,
+    )
+    chosen, source, skipped = sample.requests, sample.source, sample.skipped
     by_model, unassigned = assign(chosen, models)
     skipped.update(unassigned)
     runs = []
@@ -152,7 +136,7 @@ def measure(
             skipped.update(runs[-1].skipped)
     source["requests_chosen"] = len(chosen)
     source["skipped"] = dict(skipped)
-    report = build_report(runs, source, options, event.event_id)
+    report = build_report(runs, source, options, sample.event.event_id)
     json_path, html_path, digest = write_report(report, out)
     for model_report in report["models"]:
         rec = model_report["recommendation"]
@@ -163,6 +147,228 @@ def measure(
                 f"[{rec['speedup_low']:.2f}, {rec['speedup_high']:.2f}]"
             )
     typer.echo(f"wrote {json_path} (sha256 {digest}), {html_path}")
+
+
+@tune_app.command("train")
+def train(
+    config: Annotated[
+        Path, typer.Option("--config", help="The gateway's configuration (YAML), as `specgate "
+                           "serve`; --promote rewrites it.")
+    ],
+    method: Annotated[str, typer.Option(help="medusa | eagle")] = "medusa",
+    model_name: Annotated[
+        str | None, typer.Option("--model", help="The model to train for (default: the one "
+                                 "configured built-in model).")
+    ] = None,
+    requests: Annotated[
+        Path | None,
+        typer.Option(
+            "--requests",
+            help="JSON lines of OpenAI chat or completion request bodies to train and measure "
+            "on instead of the recorded traffic.",
+        ),
+    ] = None,
+    since: Annotated[
+        datetime | None, typer.Option(help="Recorded requests from this time (UTC unless stated).")
+    ] = None,
+    until: Annotated[datetime | None, typer.Option(help="... until this time (exclusive).")] = None,
+    limit: Annotated[int, typer.Option(min=2, help="Requests to read (newest first).")] = 200,
+    include_held: Annotated[
+        bool,
+        typer.Option(help="Also read subjects under a legal hold (left out by default)."),
+    ] = False,
+    held_out: Annotated[
+        float,
+        typer.Option(min=0.01, max=0.99, help="Share of the requests held out to measure on."),
+    ] = 0.25,
+    seed: Annotated[int, typer.Option(help="Seed of the split, the data order and the heads.")] = 0,
+    steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 300,
+    num_heads: Annotated[int, typer.Option(help="medusa_num_heads (Medusa only).")] = 4,
+    answer_tokens: Annotated[
+        int, typer.Option(min=2, help="Tokens the target answers each training prompt with.")
+    ] = 96,
+    generation_batch: Annotated[int, typer.Option(help="Prompts answered side by side.")] = 32,
+    draft_vocab_size: Annotated[
+        int, typer.Option(help="Tokens the heads score (the target's most written); 0: all.")
+    ] = 8192,
+    rows_per_step: Annotated[
+        int, typer.Option(help="Positions per step (EAGLE: of the token loss).")
+    ] = 256,
+    sequences_per_step: Annotated[
+        int, typer.Option(help="Whole sequences per step (EAGLE only).")
+    ] = 4,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 1e-3,
+    k: Annotated[
+        int | None,
+        typer.Option("--k", min=1, help="Fixed k the held-out requests are measured at "
+                     "(default: adaptive k)."),
+    ] = 4,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed runs per held-out request.")] = 1,
+    max_tokens: Annotated[
+        int, typer.Option(min=1, help="Cap on each held-out request's tokens to generate.")
+    ] = 64,
+    promote: Annotated[
+        bool,
+        typer.Option(help="Point the configuration at the new heads if they are better on the "
+                     "held-out requests (a `tune_promote` event either way)."),
+    ] = False,
+    keep_cache: Annotated[
+        bool,
+        typer.Option(help="Keep the target's answers (OUT/cache) after the run; by default "
+                     "they go once the run is done (a failed run keeps them to resume)."),
+    ] = False,
+    out: Annotated[
+        Path, typer.Option(help="Where the heads, provenance.json and train.json go.")
+    ] = Path("tune-train"),
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
+    database_url: DatabaseUrl = None,
+) -> None:
+    """Retrain Medusa heads or an EAGLE draft on the target's own answers to a sample of
+    this deployment's requests, and compare them on held-out requests with plain decoding and
+    the configured heads of that method. The run is a `tune_train` audit event naming the
+    requests and subjects read, appended before any content is decrypted; erased subjects'
+    content is never read. With --promote the configuration points at the new heads only if
+    their held-out acceptance and speedup beat the current heads' (or, without current heads,
+    plain decoding)."""
+    import shutil
+
+    import yaml
+
+    from engine.training.heads.cli import training_progress
+    from engine.training.heads.train import HeadsSpec
+    from gateway.tune.measure import assign, configured_models, measure_artefacts
+    from gateway.tune.recommend import ConfigChangeError, set_model_settings
+    from gateway.tune.report import write_train_report
+    from gateway.tune.sample import Selection
+    from gateway.tune.train import (
+        CACHE_DIR,
+        CURRENT,
+        PROVENANCE_FILE,
+        RETRAINED,
+        current_heads,
+        distil,
+        provenance,
+        recipe,
+        split_requests,
+        train_report,
+        write_json,
+    )
+
+    if method not in ("medusa", "eagle"):
+        typer.echo(f"error: --method {method!r}: heads are 'medusa' or 'eagle'", err=True)
+        raise typer.Exit(2)
+    heads_kind: Literal["medusa", "eagle"] = "eagle" if method == "eagle" else "medusa"
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    settings = _settings(config)
+    models = configured_models(settings)
+    if model_name is None:
+        model = models[0] if len(models) == 1 else None
+    else:
+        model = next((m for m in models if m.serves(model_name)), None)
+    if model is None:
+        names = ", ".join(m.name for m in models) or "none"
+        typer.echo(
+            f"error: name the built-in model to train for with --model (configured: {names})",
+            err=True,
+        )
+        raise typer.Exit(2)
+    spec = HeadsSpec(
+        num_heads=num_heads, snippets=0, answer_tokens=answer_tokens,
+        generation_batch=generation_batch, steps=steps, rows_per_step=rows_per_step, lr=lr,
+        warmup_steps=min(50, steps // 10), seed=seed, draft_vocab_size=draft_vocab_size or None,
+        sequences_per_step=sequences_per_step,
+    )
+    options: dict[str, Any] = {
+        "limit": limit, "k": k, "repeats": repeats, "max_tokens": max_tokens,
+        "promote": promote, "recipe": recipe(spec, heads_kind, held_out),
+    }
+    sample = _audited_sample(
+        settings, database_url, "tune_train",
+        {"options": options, "model": model.name, "method": heads_kind},
+        Selection(requests, limit, since, until, include_held),
+    )
+    by_model, unassigned = assign(sample.requests, [model])
+    sample.skipped.update(unassigned)
+    try:
+        trained_requests, held_requests = split_requests(by_model[model.name], held_out, seed)
+    except ValueError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with training_progress(heads_kind) as progress:
+            trained = distil(model, heads_kind, trained_requests, spec, out, progress)
+    except ValueError as error:  # no prompt to learn from, or answers too short
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
+    summary = trained.summary
+    typer.echo(
+        f"trained on {len(trained.trained_on)} requests: {summary['answers_generated']} answers "
+        f"generated, {summary['answers_read_back']} read back from {out / CACHE_DIR}"
+    )
+    prov = provenance(model, sample, trained, held_requests, spec, heads_kind, held_out)
+    provenance_sha256 = write_json(prov, out / PROVENANCE_FILE)
+    current = current_heads(model, heads_kind)
+    artefacts = {CURRENT: current} if current is not None else {}
+    artefacts[RETRAINED] = trained.directory
+    run = measure_artefacts(
+        model, heads_kind, artefacts, held_requests, k, repeats, max_tokens
+    )
+    if not run.prompts:
+        typer.echo("error: no held-out request can be replayed on this target", err=True)
+        raise typer.Exit(1)
+    report = train_report(run, prov, provenance_sha256, artefacts, k, repeats, max_tokens)
+    json_path, html_path, digest = write_train_report(report, out)
+    for row in report["rows"]:
+        typer.echo(
+            f"{row['artefact']}: {row['variant']}: acceptance {row['acceptance_rate']}, mean "
+            f"accepted length {row['mean_accepted_length']}, {row['tokens_per_second']} "
+            f"tokens/s, speedup {row['speedup']:.2f}x"
+        )
+    decision = report["verdict"]
+    typer.echo(f"{'better' if decision['better'] else 'not better'}: {decision['reason']}")
+    typer.echo(f"wrote {trained.directory}, {out / PROVENANCE_FILE}, {json_path} "
+               f"(sha256 {digest}), {html_path}")
+    if promote:
+        evidence = {
+            "model": model.name,
+            "method": heads_kind,
+            "artefact": str(trained.directory.resolve()),
+            "content_sha256": trained.content_sha256,
+            "current": str(current) if current is not None else None,
+            "train_event_id": sample.event.event_id,
+            "report_sha256": digest,
+            "provenance_sha256": provenance_sha256,
+            "compared_with": decision["compared_with"],
+            "held_out": decision["figures"],
+            "reason": decision["reason"],
+        }
+        if decision["better"]:
+            change: dict[str, Any] = {"heads": str(trained.directory.resolve())}
+            if model.method in ("medusa", "eagle") and model.method != heads_kind:
+                change["method"] = heads_kind  # the other method's heads are replaced
+            document = yaml.safe_load(config.read_text())
+            try:
+                updated, written = set_model_settings(document, {model.name: change})
+            except ConfigChangeError as error:
+                typer.echo(f"error: {config}: {error}", err=True)
+                raise typer.Exit(2) from None
+            event_id = _rewrite_config(
+                config, updated, database_url, "tune_promote",
+                {**evidence, "promoted": True, "change": written},
+            )
+            typer.echo(f"promoted: {config} now serves {trained.directory} (audit event "
+                       f"{event_id})")
+        else:
+            event_id = _record(
+                settings, database_url, "tune_promote", {**evidence, "promoted": False}
+            )
+            typer.echo(f"not promoted: the configuration is unchanged (audit event {event_id})")
+    if not keep_cache:
+        shutil.rmtree(out / CACHE_DIR, ignore_errors=True)
 
 
 @tune_app.command("apply")
@@ -178,12 +384,9 @@ def apply(
     `tune_apply` audit event records the change and the report's SHA-256. The file is
     rewritten as plain YAML (comments are not kept)."""
     import hashlib
-    import os
 
     import yaml
 
-    from gateway.audit.log import AuditUnavailableError
-    from gateway.settings import ConfigError, load_settings
     from gateway.tune.recommend import ConfigChangeError, apply_to_config, snippet
     from gateway.tune.report import REPORT_KIND
 
@@ -198,36 +401,64 @@ def apply(
     except ConfigChangeError as error:
         typer.echo(f"error: {config}: {error}", err=True)
         raise typer.Exit(2) from None
+    digest = hashlib.sha256(data).hexdigest()
+    event_id = _rewrite_config(
+        config, updated, database_url, "tune_apply",
+        {
+            "report_sha256": digest,
+            "measure_event_id": loaded.get("measure_event_id"),
+            "change": change,
+        },
+    )
+    typer.echo(snippet(change), nl=False)
+    typer.echo(f"wrote {config} (audit event {event_id}, report sha256 {digest})")
+
+
+def _record(
+    settings: Settings, database_url: str | None, kind: str, payload: dict[str, Any]
+) -> str:
+    """Append a ``kind`` audit event; its id. One-line error and exit 1 where it cannot be
+    appended."""
+    from gateway.audit.log import AuditUnavailableError
+
+    with content_stores(
+        settings, database_url, "the audit log is not reachable ({detail}); nothing was written"
+    ) as (_db, audit, _privacy):
+        try:
+            return audit.append(kind, _cli_actor(), payload).event_id
+        except AuditUnavailableError as error:
+            typer.echo(f"error: the change cannot be recorded, nothing written: {error}", err=True)
+            raise typer.Exit(1) from None
+
+
+def _rewrite_config(
+    config: Path, updated: dict[str, Any], database_url: str | None, kind: str,
+    payload: dict[str, Any],
+) -> str:
+    """Replace ``config`` by ``updated`` (plain YAML: comments go) once it is checked to be a
+    valid configuration and the change is appended as a ``kind`` audit event (``payload`` and
+    the file's path); the event's id. Nothing is written where either fails."""
+    import os
+
+    import yaml
+
+    from gateway.settings import ConfigError, load_settings
+
     partial = config.with_name(config.name + ".tune-new")
     partial.write_text(yaml.safe_dump(updated, sort_keys=False), "utf-8")
     try:
-        settings = load_settings(partial)
-    except ConfigError as error:
-        partial.unlink()
-        typer.echo(f"error: the changed configuration would be invalid: {error}", err=True)
-        raise typer.Exit(2) from None
-    digest = hashlib.sha256(data).hexdigest()
-    with content_stores(
-        settings, database_url, "the audit log is not reachable ({detail}); nothing was read"
-    ) as (_db, audit, _privacy):
         try:
-            appended = audit.append(
-                "tune_apply",
-                _cli_actor(),
-                {
-                    "report_sha256": digest,
-                    "measure_event_id": loaded.get("measure_event_id"),
-                    "config": str(config.resolve()),
-                    "change": change,
-                },
-            )
-        except AuditUnavailableError as error:
-            partial.unlink()
-            typer.echo(f"error: the change cannot be recorded, nothing written: {error}", err=True)
-            raise typer.Exit(1) from None
-    os.replace(partial, config)
-    typer.echo(snippet(change), nl=False)
-    typer.echo(f"wrote {config} (audit event {appended.event_id}, report sha256 {digest})")
+            settings = load_settings(partial)
+        except ConfigError as error:
+            typer.echo(f"error: the changed configuration would be invalid: {error}", err=True)
+            raise typer.Exit(2) from None
+        event_id = _record(
+            settings, database_url, kind, {**payload, "config": str(config.resolve())}
+        )
+        os.replace(partial, config)
+        return event_id
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 @tune_app.command("watch")

@@ -20,10 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 from bench.report import RunTable
-from bench.variants import Run, Variant
+from bench.variants import Generator, Run, Variant
 from bench.workload import BenchPrompt
-from engine.api.types import MAX_SPECULATIVE_TOKENS, Method
+from engine.api.types import MAX_SPECULATIVE_TOKENS, Method, SamplingParams
+from engine.serving.service import Engine
 from gateway.settings import Settings
 from gateway.tune.sample import TuneRequest
 
@@ -35,13 +38,15 @@ DEFAULT_KS = (2, 4, 8)
 
 @dataclass(frozen=True)
 class TuneModel:
-    """A configured built-in model: the names requests route to it by, and its artefacts."""
+    """A configured built-in model: the names requests route to it by, its artefacts and the
+    method it serves with."""
 
     name: str
     aliases: tuple[str, ...]
     target: Path
     draft: Path | None
     heads: Path | None
+    method: Method
 
     def serves(self, name: str | None) -> bool:
         return name == self.name or name in self.aliases
@@ -58,7 +63,12 @@ def configured_models(settings: Settings) -> list[TuneModel]:
             continue
         config = engine_config(model.settings)
         name = config.served_model_name or config.target.name
-        found.append(TuneModel(name, model.aliases, config.target, config.draft, config.heads))
+        found.append(
+            TuneModel(
+                name, model.aliases, config.target, config.draft, config.heads,
+                config.speculative.method,
+            )
+        )
     return found
 
 
@@ -118,8 +128,6 @@ def measure_model(
     variant on every request it can take; a request whose prompt does not fit the context, or
     holds tokens the target does not know (recorded with another tokenizer), is counted."""
     from bench.runner import BenchSetup, interleaved_runs, load_engines, serving_engines
-    from bench.variants import Generator
-    from bench.workload import encode_request
 
     setup = BenchSetup(
         target=model.target,
@@ -134,28 +142,7 @@ def measure_model(
         serving = serving_engines(engines)
         methods = [m for m in serving if m != "none"]
         variants = tune_variants(methods, ks)
-        prompts: list[BenchPrompt] = []
-        skipped: Counter[str] = Counter()
-        for request in requests:
-            if request.prompt_ids is not None:
-                ids = request.prompt_ids
-            else:
-                assert request.body is not None
-                try:
-                    ids = tuple(encode_request(request.body, engine.tokenizer))
-                except (ValueError, TypeError, KeyError):
-                    skipped["not_a_request"] += 1
-                    continue
-            sampling = request.sampling_params(max_tokens)
-            if not ids or len(ids) + sampling.max_tokens > engine.max_context:
-                skipped["too_long_for_the_context"] += 1
-                continue
-            if max(ids) >= engine.vocab_size:
-                skipped["tokens_unknown_to_the_target"] += 1
-                continue
-            prompts.append(
-                BenchPrompt(request.cluster, request.source_id, ids, sampling.max_tokens, sampling)
-            )
+        prompts, skipped = bench_prompts(requests, engine, max_tokens)
         generator = Generator(serving, engine.target_model, None)
         runs = (
             interleaved_runs(generator, variants, prompts, repeats, label=f"tune {model.name}")
@@ -167,6 +154,125 @@ def measure_model(
             engine.target_version,
             str(engine.target_dtype).removeprefix("torch."),
             methods,
+            variants,
+            prompts,
+            runs,
+            skipped,
+        )
+    finally:
+        for each in engines:
+            each.close()
+
+
+def prompt_ids(request: TuneRequest, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...] | None:
+    """A request's prompt tokens: as recorded, or its body tokenized by the target's
+    tokenizer (chat template for ``messages``); None for a body that is no request."""
+    from bench.workload import encode_request
+
+    if request.prompt_ids is not None:
+        return request.prompt_ids
+    assert request.body is not None
+    try:
+        return tuple(encode_request(request.body, tokenizer))
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def bench_prompts(
+    requests: Sequence[TuneRequest], engine: Engine, max_tokens: int
+) -> tuple[list[BenchPrompt], Counter[str]]:
+    """The requests ``engine`` can replay, as the benchmark's prompts (cluster, id, tokens,
+    capped sampling); one whose prompt does not fit the context, or holds tokens the target
+    does not know (recorded with another tokenizer), is counted by reason."""
+    prompts: list[BenchPrompt] = []
+    skipped: Counter[str] = Counter()
+    for request in requests:
+        ids = prompt_ids(request, engine.tokenizer)
+        if ids is None:
+            skipped["not_a_request"] += 1
+            continue
+        sampling = request.sampling_params(max_tokens)
+        if not ids or len(ids) + sampling.max_tokens > engine.max_context:
+            skipped["too_long_for_the_context"] += 1
+            continue
+        if max(ids) >= engine.vocab_size:
+            skipped["tokens_unknown_to_the_target"] += 1
+            continue
+        prompts.append(
+            BenchPrompt(request.cluster, request.source_id, ids, sampling.max_tokens, sampling)
+        )
+    return prompts, skipped
+
+
+@dataclass(frozen=True)
+class ArtefactVariant(Variant):
+    """A method served from one of several artefact directories (``artefact`` names which)."""
+
+    artefact: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{super().label} ({self.artefact})"
+
+
+class _ArtefactGenerator(Generator):
+    """Runs each variant on the engine that holds its artefact."""
+
+    def __init__(self, engines: dict[Variant, Engine], target: PreTrainedModel):
+        super().__init__({}, target, None)
+        self.by_variant = engines
+
+    def run(
+        self,
+        variant: Variant,
+        prompt_ids: tuple[int, ...],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+    ) -> Run:
+        self.engines = {variant.method: self.by_variant[variant]}
+        return super().run(variant, prompt_ids, max_tokens, sampling)
+
+
+def measure_artefacts(
+    model: TuneModel,
+    method: Method,
+    artefacts: dict[str, Path],
+    requests: Sequence[TuneRequest],
+    k: int | None,
+    repeats: int,
+    max_tokens: int,
+) -> ModelRun:
+    """Plain decoding and ``method`` at ``k`` from each of ``artefacts`` (name: heads
+    directory, one engine each, fallback off), interleaved on ``requests`` as
+    ``measure_model`` does; the variants are ``ArtefactVariant``s named after their
+    artefacts."""
+    from bench.runner import BenchSetup, interleaved_runs, load_engines
+
+    setup = BenchSetup(
+        target=model.target, draft=None, repeats=repeats, fixed_k=k or 0,  # k: per variant
+        heads=tuple(artefacts.values()),
+    )
+    engines = load_engines(setup)
+    try:
+        plain = Variant("specgate", "none", None)
+        by_variant: dict[Variant, Engine] = {plain: engines[0]}
+        for name, engine in zip(artefacts, engines, strict=True):
+            if method not in engine.available_methods:
+                raise ValueError(f"the {name} artefact does not serve {method}")
+            by_variant[ArtefactVariant("specgate", method, k, name)] = engine
+        prompts, skipped = bench_prompts(requests, engines[0], max_tokens)
+        generator = _ArtefactGenerator(by_variant, engines[0].target_model)
+        variants = list(by_variant)
+        runs = (
+            interleaved_runs(generator, variants, prompts, repeats, label=f"held out {model.name}")
+            if prompts
+            else {}
+        )
+        return ModelRun(
+            model,
+            engines[0].target_version,
+            str(engines[0].target_dtype).removeprefix("torch."),
+            [method],
             variants,
             prompts,
             runs,

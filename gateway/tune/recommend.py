@@ -116,33 +116,41 @@ def model_settings(recommendation: dict[str, Any]) -> dict[str, Any]:
 
 def apply_to_config(document: Any, report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The configuration mapping with each measured model's method and k set, and the change
-    alone (the YAML snippet). A configuration with ``models`` gets them in the entry of that
-    name; one without, at the top level (its one model)."""
+    alone (the YAML snippet)."""
+    models = [m for m in report["models"] if m.get("recommendation")]
+    return set_model_settings(
+        document, {m["name"]: model_settings(m["recommendation"]) for m in models}
+    )
+
+
+def set_model_settings(
+    document: Any, settings: dict[str, dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The configuration mapping with each named model's ``settings`` set, and the change
+    alone. A configuration with ``models`` gets them in the entry of that name; one without,
+    at the top level (its one model)."""
     if document is None:
         document = {}
     if not isinstance(document, dict):
         raise ConfigChangeError("the configuration must map setting names to values")
     updated = dict(document)
-    models = [m for m in report["models"] if m.get("recommendation")]
     entries = updated.get("models")
     if not entries:
-        if len(models) != 1:
+        if len(settings) != 1:
             raise ConfigChangeError(
-                f"the report covers {len(models)} models; the configuration serves one"
+                f"the change covers {len(settings)} models; the configuration serves one"
             )
-        change = model_settings(models[0]["recommendation"])
+        (change,) = settings.values()
         updated.update(change)
         return updated, change
     entries = [dict(entry) for entry in entries]
     changed = []
-    for model in models:
-        entry = next((e for e in entries if e.get("name") == model["name"]), None)
+    for name, values in settings.items():
+        entry = next((e for e in entries if e.get("name") == name), None)
         if entry is None:
-            raise ConfigChangeError(
-                f"the configuration has no models entry named {model['name']!r}"
-            )
-        entry.update(model_settings(model["recommendation"]))
-        changed.append({"name": model["name"], **model_settings(model["recommendation"])})
+            raise ConfigChangeError(f"the configuration has no models entry named {name!r}")
+        entry.update(values)
+        changed.append({"name": name, **values})
     updated["models"] = entries
     return updated, {"models": changed}
 

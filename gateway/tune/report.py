@@ -200,3 +200,45 @@ def render_html(report: dict[str, Any]) -> str:
         f"under {ACCEPTANCE_FLOOR:.0%} in red.</p></body></html>"
     )
     return "".join(parts)
+
+
+def write_train_report(report: dict[str, Any], out: Path) -> tuple[Path, Path, str]:
+    """``train.json`` and ``train.html`` in ``out``; returns their paths and the JSON's
+    SHA-256 (what the `tune_promote` event records as the evidence)."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(report, indent=2) + "\n").encode("utf-8")
+    json_path, html_path = out / "train.json", out / "train.html"
+    json_path.write_bytes(data)
+    html_path.write_text(render_train_html(report), "utf-8")
+    return json_path, html_path, hashlib.sha256(data).hexdigest()
+
+
+def render_train_html(report: dict[str, Any]) -> str:
+    """The held-out comparison of `tune train` as one self-contained page."""
+    rows = report["rows"]
+    named = [{**row, "variant": f"{row['artefact']}: {row['variant']}"} for row in rows]
+    decision = report["verdict"]
+    css = "on" if decision["better"] else "off"
+    word = "better" if decision["better"] else "not better"
+    artefacts = "".join(
+        f"<li>{escape(name)}: <code>{escape(path)}</code></li>"
+        for name, path in report["artefacts"].items()
+    )
+    return "".join(
+        [
+            "<!doctype html><html><head><meta charset='utf-8'>",
+            "<title>Specgate heads retrained on this traffic</title>",
+            f"<style>{_STYLE}</style></head><body>",
+            f"<h1>{escape(report['method'])} heads retrained for {escape(report['model'])}</h1>",
+            f"<p>{len(report['held_out']['requests'])} held-out requests; options "
+            f"{escape(json.dumps(report['options']))}; machine {escape(report['machine'])}; "
+            f"audit event {escape(report['train_event_id'])}; made "
+            f"{escape(report['created_at'])}.</p><ul>{artefacts}</ul>",
+            f"<p><span class='{css}'>{word}</span>: {escape(decision['reason'])}</p>",
+            speedup_chart(named),
+            _table(named),
+            "<p class='note'>Speedup: tokens/s over plain decoding on the same held-out "
+            "requests; interval: 95 % bootstrap over requests. Acceptance under "
+            f"{ACCEPTANCE_FLOOR:.0%} in red.</p></body></html>",
+        ]
+    )

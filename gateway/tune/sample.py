@@ -5,9 +5,9 @@ Recorded requests are chosen newest first from the audit log's `request` events.
 left out, and counted under its reason, when its content was not stored, when its data key
 is destroyed (its subject was erased, or retention expired it), or when its subject is under a
 legal hold (content kept for a legal matter is not used for another purpose unless the
-operator says so). What is left is named (event ids and subject references) in a
-`tune_measure` audit event *before* any of it is decrypted, so that a read that is not
-recorded cannot happen; decrypted content stays in memory and is never written.
+operator says so). What is left is named (event ids and subject references) in the run's
+audit event (`tune_measure`, `tune_train`) *before* any of it is decrypted, so that a read
+that is not recorded cannot happen (``audited_sample``); decrypted content stays in memory.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 
 from engine.api.types import SamplingParams
-from gateway.audit.log import AuditUnavailableError, record_from_row
+from gateway.audit.canonical import format_timestamp
+from gateway.audit.log import AppendedEvent, AuditLog, AuditUnavailableError, record_from_row
 from gateway.audit.records import EventRecord
 from gateway.audit.schema import audit_events
 from gateway.privacy.commitments import ContentUnreadableError
@@ -223,3 +224,77 @@ def read_file(path: Path, limit: int) -> tuple[list[TuneRequest], str]:
             )
         )
     return requests, hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which requests a run reads: up to ``limit`` from an operator's ``requests_file``, else
+    the newest recorded ones in ``[since, until)`` (subjects under a legal hold only with
+    ``include_held``)."""
+
+    requests_file: Path | None
+    limit: int
+    since: datetime | None = None
+    until: datetime | None = None
+    include_held: bool = False
+
+
+@dataclass
+class Sample:
+    """The requests read, the run's audit event, what it recorded of their source, and what
+    was left out by reason."""
+
+    requests: list[TuneRequest]
+    event: AppendedEvent
+    source: dict[str, Any]
+    skipped: Counter[str]
+
+
+def audited_sample(
+    db: sa.Engine,
+    audit: AuditLog,
+    privacy: PrivacyStore,
+    kind: str,
+    actor: str,
+    payload: dict[str, Any],
+    selection: Selection,
+) -> Sample:
+    """The requests ``selection`` names, read after the run is appended as a ``kind`` audit
+    event: ``payload`` (the run's options) plus the source, the request event ids (or file
+    lines and the file's SHA-256), the subjects' keyed references whose content is read and
+    what was left out and why. Raises ``AuditUnavailableError`` when the event cannot be
+    appended (nothing is decrypted then), ``RequestFileError`` or ``OSError`` for a file that
+    cannot be read."""
+    skipped: Counter[str] = Counter()
+    candidates: Candidates | None = None
+    requests: list[TuneRequest] = []
+    if selection.requests_file is not None:
+        requests, sha256 = read_file(selection.requests_file, selection.limit)
+        source: dict[str, Any] = {
+            "source": "file", "file": str(selection.requests_file), "sha256": sha256,
+        }
+        recorded = {**source, "subject_refs": [], "request_ids": [r.source_id for r in requests]}
+    else:
+        candidates = choose_recorded(
+            db, privacy, limit=selection.limit, since=selection.since, until=selection.until,
+            include_held=selection.include_held,
+        )
+        skipped.update(candidates.skipped)
+        source = {
+            "source": "audit_log",
+            "since": format_timestamp(selection.since) if selection.since else None,
+            "until": format_timestamp(selection.until) if selection.until else None,
+            "include_held": selection.include_held,
+        }
+        recorded = {
+            **source,
+            "request_event_ids": candidates.event_ids,
+            "subject_refs": candidates.subject_refs,
+            "skipped": dict(candidates.skipped),
+        }
+    # Before any content is decrypted: a read that is not recorded cannot happen.
+    event = audit.append(kind, actor, {**payload, **recorded})
+    if candidates is not None:
+        requests, unreadable = read_recorded(privacy, candidates)
+        skipped.update(unreadable)
+    return Sample(requests, event, source, skipped)

@@ -4,12 +4,45 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+if TYPE_CHECKING:
+    from engine.training.heads.train import Progress
+
 heads_app = typer.Typer(no_args_is_help=True)
+
+
+@contextmanager
+def training_progress(label: str) -> Iterator[Progress]:
+    """A progress callback for ``build_data`` and the training loops: one bar per phase
+    (answers, features, training), with the loss where there is one."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TaskID,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+    from rich.progress import Progress as Bars
+
+    columns = (
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
+    )
+    with Bars(*columns) as bars:
+        tasks: dict[str, TaskID] = {}
+
+        def report(phase: str, done: int, total: int, loss: float) -> None:
+            if phase not in tasks:
+                tasks[phase] = bars.add_task(f"{label} {phase}", total=total, detail="")
+            bars.update(tasks[phase], completed=done, detail=f"loss {loss:.3f}" if loss else "")
+
+        yield report
 
 
 @heads_app.command("train")
@@ -60,14 +93,6 @@ def train(
     if method not in ("medusa", "eagle"):
         raise typer.BadParameter(f"method {method!r}: heads are 'medusa' or 'eagle'")
     import torch
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TaskID,
-        TextColumn,
-        TimeElapsedColumn,
-    )
 
     from engine.models.loading import load_model, load_tokenizer
     from engine.models.versioning import model_version
@@ -94,20 +119,7 @@ def train(
     started = time.perf_counter()
     tokenizer = load_tokenizer(target)
     model = load_model(target, torch.device("cpu"), "float32")
-    columns = (
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
-    )
-    with Progress(*columns) as progress:
-        tasks: dict[str, TaskID] = {}
-
-        def report(phase: str, done: int, total: int, loss: float) -> None:
-            if phase not in tasks:
-                tasks[phase] = progress.add_task(f"{method} {phase}", total=total, detail="")
-            progress.update(
-                tasks[phase], completed=done, detail=f"loss {loss:.3f}" if loss else ""
-            )
-
+    with training_progress(method) as report:
         version = model_version(target)
         texts = corpus_texts(data) if spec.snippets else []
         chats = demo_chats(prompts, seed) if data is None else []

@@ -221,16 +221,20 @@ def distillation_data(
     texts: Sequence[str] = (),
     chats: Sequence[Messages] = (),
     cache_dir: Path | None = None,
+    prompts: Sequence[Sequence[int]] = (),
 ) -> Distillation:
-    """The target's answers to ``chats`` and continuations of snippets of ``texts``, with
-    its features at every position. With ``cache_dir``, answers already written for the same
+    """The target's answers to ``chats`` and to ``prompts`` (token ids already in the chat
+    template, as a recorded request's), and continuations of snippets of ``texts``, with its
+    features at every position. With ``cache_dir``, answers already written for the same
     target version and prompts are read back instead of generated."""
     target.eval()
     eos = tokenizer.eos_token_id
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos or 0)
-    asked, cut = chat_prompt_ids(tokenizer, chats), snippets(tokenizer, texts, spec)
-    prompts = asked + cut
-    if not prompts:
+    asked = chat_prompt_ids(tokenizer, chats) + [
+        [int(i) for i in prompt][-MAX_PROMPT_TOKENS:] for prompt in prompts
+    ]
+    cut = snippets(tokenizer, texts, spec)
+    if not asked + cut:
         raise ValueError("no chat prompts and no text to distil on")
     cache = _AnswerCache(cache_dir, target_version, spec, eos)
     torch.manual_seed(spec.seed)
@@ -242,7 +246,7 @@ def distillation_data(
     answers = cache.answers(asked, True) + cache.answers(cut, False)
     kept = [
         _Written(prompt + answer, len(prompt))
-        for prompt, answer in zip(prompts, answers, strict=True)
+        for prompt, answer in zip(asked + cut, answers, strict=True)
         if len(answer) >= 2
     ]
     ids = [s.ids for s in kept]

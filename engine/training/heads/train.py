@@ -87,10 +87,13 @@ def build_data(
     target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: list[str],
     spec: HeadsSpec, target_version: str, progress: Progress,
     chats: list[Messages] | None = None, cache_dir: Path | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> Distillation:
+    """``distillation_data`` for ``spec``: the target's answers to ``chats`` and to the
+    tokenized ``prompts``, and its continuations of snippets of ``texts``."""
     return distillation_data(
         target, tokenizer, target_version, spec.data(), progress, texts=texts,
-        chats=chats or [], cache_dir=cache_dir,
+        chats=chats or [], cache_dir=cache_dir, prompts=prompts or [],
     )
 
 

@@ -1,0 +1,297 @@
+"""Retrain a model's Medusa heads or EAGLE draft on this deployment's own traffic, and say
+whether they do better than the configured ones on requests they did not learn from.
+
+The sample is read as `tune measure` reads it (``gateway.tune.sample.audited_sample``, under
+a `tune_train` event) and split, seeded, into training and held-out requests. The target
+answers the training prompts greedily and the heads learn its answers
+(``engine.training.heads``: its features and soft labels, deterministic for a seed). The
+answers, the costly part, are cached under ``<out>/cache`` by the target's version and the
+prompts, so a rerun into the same directory reads them back; they are the target's answers
+to users' prompts, so the cache is removed once the run is done unless it is kept on
+purpose. The heads go to ``<out>/<method>-<hash>`` (the directory holds exactly what the
+engine loads, so its name and the provenance's ``content_sha256`` are the version the audit
+log records for every request served with it), with ``provenance.json`` beside it. The
+held-out requests are then replayed through plain decoding, the configured heads of that
+method (if any) and the new ones (``gateway.tune.measure.measure_artefacts``), and
+``verdict`` says whether the new ones are better.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from engine.training.heads import heads_method
+from engine.training.heads.train import HeadsSpec, Progress
+from gateway.tune.measure import ALL, ArtefactVariant, ModelRun, TuneModel, figures, machine
+from gateway.tune.sample import Sample, TuneRequest
+
+HeadsMethod = Literal["medusa", "eagle"]
+PROVENANCE_KIND = "specgate-tune-provenance"
+TRAIN_REPORT_KIND = "specgate-tune-train-report"
+CACHE_DIR = "cache"
+PROVENANCE_FILE = "provenance.json"
+CURRENT, RETRAINED = "current", "retrained"
+
+
+def split_requests(
+    requests: Sequence[TuneRequest], held_out_share: float, seed: int
+) -> tuple[list[TuneRequest], list[TuneRequest]]:
+    """``requests`` cut into training and held-out ones: ordered by id, shuffled by ``seed``,
+    the first ``held_out_share`` held out (at least one each way)."""
+    if len(requests) < 2:
+        raise ValueError(
+            f"{len(requests)} request(s) read: training and measuring need at least 2"
+        )
+    ordered = sorted(requests, key=lambda request: request.source_id)
+    random.Random(seed).shuffle(ordered)
+    held = min(len(ordered) - 1, max(1, round(len(ordered) * held_out_share)))
+    return ordered[held:], ordered[:held]
+
+
+def current_heads(model: TuneModel, method: HeadsMethod) -> Path | None:
+    """The configured heads directory if it holds ``method``'s heads."""
+    if model.heads is None or heads_method(model.heads) != method:
+        return None
+    return model.heads
+
+
+@dataclass
+class Trained:
+    """New heads: their directory and content hash, the target version they fit, the
+    requests they learnt from, what was left out, and the training's figures."""
+
+    directory: Path
+    content_sha256: str
+    target_version: str
+    trained_on: list[TuneRequest]
+    skipped: Counter[str]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def distil(
+    model: TuneModel,
+    method: HeadsMethod,
+    requests: Sequence[TuneRequest],
+    spec: HeadsSpec,
+    out: Path,
+    progress: Progress,
+) -> Trained:
+    """Heads for ``model``'s target trained on its greedy answers to ``requests``' prompts
+    (on the CPU, as ``specgate heads train``), written to ``out/<method>-<hash>``; answers
+    already in ``out/cache`` for this target version are read back, not generated."""
+    import torch
+
+    from engine.models.loading import embedding_rows, load_model, load_tokenizer
+    from engine.models.versioning import model_version
+    from engine.training.heads.eagle import EagleDraft
+    from engine.training.heads.medusa import MedusaHeads
+    from engine.training.heads.train import build_data, train_eagle, train_medusa
+    from gateway.tune.measure import prompt_ids
+
+    tokenizer = load_tokenizer(model.target)
+    target = load_model(model.target, torch.device("cpu"), "float32")
+    version = model_version(model.target)
+    vocabulary = embedding_rows(target)
+    prompts: list[list[int]] = []
+    trained_on: list[TuneRequest] = []
+    skipped: Counter[str] = Counter()
+    for request in requests:
+        ids = prompt_ids(request, tokenizer)
+        if not ids:
+            skipped["not_a_request"] += 1
+        elif max(ids) >= vocabulary:
+            skipped["tokens_unknown_to_the_target"] += 1
+        else:
+            prompts.append(list(ids))
+            trained_on.append(request)
+    if not prompts:
+        raise ValueError("no training request holds a prompt the target can read")
+    generated = 0
+
+    def counting(phase: str, done: int, total: int, loss: float) -> None:
+        nonlocal generated
+        if phase == "answers":
+            generated = max(generated, total)
+        progress(phase, done, total, loss)
+
+    data = build_data(
+        target, tokenizer, [], spec, version, counting, cache_dir=out / CACHE_DIR,
+        prompts=prompts,
+    )
+    eos = tokenizer.eos_token_id
+    heads: MedusaHeads | EagleDraft
+    if method == "eagle":
+        heads, losses = train_eagle(target, data, spec, version, model.target.name, progress, eos)
+    else:
+        heads, losses = train_medusa(target, data, spec, version, progress, eos)
+    partial = out / f".{method}-partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    heads.save(partial)
+    digest = model_version(partial)
+    directory = out / f"{method}-{digest.removeprefix('sha256:')[:16]}"
+    if directory.exists():  # the same content: a rerun with the same seed
+        shutil.rmtree(partial)
+    else:
+        os.replace(partial, directory)
+    summary = {
+        "sequences": int(data.ids.shape[0]),
+        "positions": data.positions,
+        "answers_generated": generated,
+        "answers_read_back": len(prompts) - generated,
+        "extra_parameters": heads.extra_parameters(),
+        "losses": losses,
+    }
+    return Trained(directory, digest, version, trained_on, skipped, summary)
+
+
+def recipe(spec: HeadsSpec, method: HeadsMethod, held_out_share: float) -> dict[str, Any]:
+    return {"method": method, "held_out_share": held_out_share, "heads_spec": asdict(spec)}
+
+
+def provenance(
+    model: TuneModel,
+    sample: Sample,
+    trained: Trained,
+    held_out: Sequence[TuneRequest],
+    spec: HeadsSpec,
+    method: HeadsMethod,
+    held_out_share: float,
+) -> dict[str, Any]:
+    """Where the heads come from: the target (path and version), the sample (its audit event,
+    the requests by event id or file line, the file's SHA-256), the recipe (every training
+    setting and the seed), the subjects' keyed references whose content was read and those
+    the heads learnt from (never content), the split, and the heads' content hash."""
+    return {
+        "kind": PROVENANCE_KIND,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "artefact": {
+            "directory": trained.directory.name,
+            "method": method,
+            "content_sha256": trained.content_sha256,
+        },
+        "model": model.name,
+        "target": str(model.target),
+        "target_model_version": trained.target_version,
+        "train_event_id": sample.event.event_id,
+        "sample": {
+            **sample.source,
+            "requests": [request.source_id for request in sample.requests],
+            "skipped": dict(sample.skipped),
+        },
+        "subject_refs_read": _subjects(sample.requests),
+        "subject_refs_trained_on": _subjects(trained.trained_on),
+        "split": {
+            "seed": spec.seed,
+            "held_out_share": held_out_share,
+            "train": [request.source_id for request in trained.trained_on],
+            "held_out": [request.source_id for request in held_out],
+            "left_out_of_training": dict(trained.skipped),
+        },
+        "recipe": recipe(spec, method, held_out_share),
+        "training": trained.summary,
+    }
+
+
+def _subjects(requests: Sequence[TuneRequest]) -> list[str]:
+    return sorted({r.subject_ref for r in requests if r.subject_ref is not None})
+
+
+def write_json(document: dict[str, Any], path: Path) -> str:
+    """``document`` as indented JSON at ``path``; its SHA-256."""
+    data = (json.dumps(document, indent=2) + "\n").encode("utf-8")
+    path.write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def held_out_rows(run: ModelRun) -> list[dict[str, Any]]:
+    """The held-out figures of every variant (all requests), each named by its artefact
+    (``plain``, ``current``, ``retrained``)."""
+    whole = next(cluster for cluster in figures(run) if cluster["cluster"] == ALL)
+    return [
+        {"artefact": v.artefact if isinstance(v, ArtefactVariant) else "plain", **row}
+        for v, row in zip(run.variants, whole["rows"], strict=True)
+    ]
+
+
+def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the retrained heads are better on the held-out requests: with current heads,
+    a higher acceptance rate and a higher speedup over plain decoding than theirs; without,
+    a speedup above 1 (faster than plain decoding)."""
+    by_artefact = {row["artefact"]: row for row in rows}
+    new, current = by_artefact[RETRAINED], by_artefact.get(CURRENT)
+    figures_of = {
+        name: {
+            "acceptance_rate": row["acceptance_rate"],
+            "mean_accepted_length": row["mean_accepted_length"],
+            "tokens_per_second": row["tokens_per_second"],
+            "speedup": row["speedup"],
+        }
+        for name, row in by_artefact.items()
+        if name != "plain"
+    }
+    if current is None:
+        better = new["speedup"] > 1.0
+        reason = (
+            f"no current heads of this method; retrained speedup {new['speedup']:.2f}x "
+            f"over plain decoding"
+        )
+    else:
+        better = (
+            new["acceptance_rate"] > current["acceptance_rate"]
+            and new["speedup"] > current["speedup"]
+        )
+        reason = (
+            f"held-out acceptance {new['acceptance_rate']:.1%} (retrained) vs "
+            f"{current['acceptance_rate']:.1%} (current), speedup {new['speedup']:.2f}x vs "
+            f"{current['speedup']:.2f}x"
+        )
+    return {
+        "better": better,
+        "compared_with": CURRENT if current is not None else "plain",
+        "reason": reason,
+        "figures": figures_of,
+    }
+
+
+def train_report(
+    run: ModelRun,
+    prov: dict[str, Any],
+    provenance_sha256: str,
+    artefacts: dict[str, Path],
+    k: int | None,
+    repeats: int,
+    max_tokens: int,
+) -> dict[str, Any]:
+    """``train.json``: the held-out comparison (figures per artefact, the verdict) and what
+    it was measured on, by request id and artefact path; no content."""
+    rows = held_out_rows(run)
+    return {
+        "kind": TRAIN_REPORT_KIND,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "train_event_id": prov["train_event_id"],
+        "model": run.model.name,
+        "method": prov["artefact"]["method"],
+        "target_model_version": run.target_version,
+        "dtype": run.dtype,
+        "artefacts": {name: str(path) for name, path in artefacts.items()},
+        "artefact_content_sha256": prov["artefact"]["content_sha256"],
+        "provenance_sha256": provenance_sha256,
+        "options": {"k": "auto" if k is None else k, "repeats": repeats, "max_tokens": max_tokens},
+        "held_out": {
+            "requests": [prompt.name for prompt in run.prompts],
+            "skipped": dict(run.skipped),
+        },
+        "machine": machine(),
+        "rows": rows,
+        "verdict": verdict(rows),
+    }
