@@ -40,6 +40,7 @@ _KINDS = (
     "alarm_cleared",
     "replay",
     "tune_measure",
+    "tune_train",
     "acceptance_drift",
 )
 COSIGNATURE_MAX_AGE = timedelta(hours=24)
@@ -82,7 +83,8 @@ class ReportData:
     holds: list[dict[str, Any]] = field(default_factory=list)
     exports: list[dict[str, Any]] = field(default_factory=list)
     replays: list[dict[str, Any]] = field(default_factory=list)
-    # `specgate tune measure` runs: each names the requests and subjects whose content it read.
+    # `specgate tune measure` and `tune train` runs: each names the requests and subjects whose
+    # content it read.
     tuning_runs: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: int = 0
     latest_checkpoint_size: int | None = None
@@ -268,7 +270,10 @@ def _count(
         data.checkpoints += 1
         data.latest_checkpoint_size = payload.get("size", data.latest_checkpoint_size)
     else:
-        _listed(data, kind, payload).append({"at": when, "actor": actor, **payload})
+        row = {"at": when, "actor": actor, **payload}
+        if kind in ("tune_measure", "tune_train"):
+            row["run"] = kind  # which command read the content
+        _listed(data, kind, payload).append(row)
 
 
 def _listed(data: ReportData, kind: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -281,6 +286,7 @@ def _listed(data: ReportData, kind: str, payload: dict[str, Any]) -> list[dict[s
         "export": data.exports,
         "replay": data.replays,
         "tune_measure": data.tuning_runs,
+        "tune_train": data.tuning_runs,
         "acceptance_drift": data.drift_events,
         "cosignature": data.cosignatures,
         "tamper_detected": data.tamper,

@@ -449,14 +449,16 @@ def _replays(data: ReportData) -> str:
             "No replays in the period.",
         )
         + source("replay events in the period")
-        + "<p id='tuning'>Tuning runs (<code>specgate tune measure</code>): stored content read "
-        "to measure speculation offline; erased and held subjects left out.</p>"
+        + "<p id='tuning'>Tuning runs (<code>specgate tune measure</code>, <code>tune "
+        "train</code>): stored content read to measure speculation offline or to retrain "
+        "speculation heads on; erased and held subjects left out.</p>"
         + table(
-            ["at", "by", "source", "requests read", "subjects read", "left out"],
+            ["at", "by", "run", "source", "requests read", "subjects read", "left out"],
             [
                 [
                     e["at"],
                     e["actor"],
+                    e.get("run"),
                     e.get("source"),
                     len(e.get("request_event_ids") or e.get("request_ids") or []),
                     len(e.get("subject_refs") or []),
@@ -467,7 +469,7 @@ def _replays(data: ReportData) -> str:
             "No tuning runs in the period.",
             "tuning-runs",
         )
-        + source("tune_measure events in the period")
+        + source("tune_measure and tune_train events in the period")
     )
 
 

@@ -201,6 +201,27 @@ def test_the_artefact_has_its_provenance_and_no_content(company: Company, traine
     assert set(trained.report["held_out"]["requests"]) == held
 
 
+def test_the_compliance_report_lists_the_train_run_and_the_content_it_read(
+    company: Company, trained: Trained
+) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from gateway.privacy.report import collect
+    from gateway.privacy.report_html import render_html
+
+    now = datetime.now(UTC)
+    data = collect(company.gateway.services.db, now - timedelta(hours=1), now + timedelta(hours=1))
+    runs = [r for r in data.tuning_runs if r["run"] == "tune_train"]
+    assert runs and all(
+        set(r["request_event_ids"]) == set(trained.provenance["sample"]["requests"])
+        and r["subject_refs"] == trained.provenance["subject_refs_read"]
+        for r in runs
+    )
+    rows = render_html(data).split("id='tuning-runs'")[1].split("</table>")[0]
+    assert "<td>tune_train</td><td>audit_log</td><td>14</td><td>2</td>" in rows
+    assert "content_not_stored: 2, erased: 7, legal_hold: 7" in rows
+
+
 def test_the_same_seed_gives_the_same_artefact_and_a_rerun_reads_the_answers_back(
     company: Company, trained: Trained, tmp_path: Path
 ) -> None:
