@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
+from engine.api.types import MAX_SPECULATIVE_TOKENS
 from gateway.cli_admin import DatabaseUrl, _cli_actor
 from gateway.cli_privacy import content_stores
 
@@ -199,9 +200,9 @@ def train(
     ] = 4,
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 1e-3,
     k: Annotated[
-        int | None,
-        typer.Option("--k", min=1, help="Fixed k the held-out requests are measured at "
-                     "(default: adaptive k)."),
+        int,
+        typer.Option("--k", min=1, max=MAX_SPECULATIVE_TOKENS,
+                     help="The fixed k the held-out requests are measured at."),
     ] = 4,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs per held-out request.")] = 1,
     max_tokens: Annotated[

@@ -238,7 +238,7 @@ def measure_artefacts(
     method: Method,
     artefacts: dict[str, Path],
     requests: Sequence[TuneRequest],
-    k: int | None,
+    k: int,
     repeats: int,
     max_tokens: int,
 ) -> ModelRun:
@@ -249,7 +249,7 @@ def measure_artefacts(
     from bench.runner import BenchSetup, interleaved_runs, load_engines
 
     setup = BenchSetup(
-        target=model.target, draft=None, repeats=repeats, fixed_k=k or 0,  # k: per variant
+        target=model.target, draft=None, repeats=repeats, fixed_k=k,
         heads=tuple(artefacts.values()),
     )
     engines = load_engines(setup)

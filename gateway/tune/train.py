@@ -268,7 +268,7 @@ def train_report(
     prov: dict[str, Any],
     provenance_sha256: str,
     artefacts: dict[str, Path],
-    k: int | None,
+    k: int,
     repeats: int,
     max_tokens: int,
 ) -> dict[str, Any]:
@@ -286,7 +286,7 @@ def train_report(
         "artefacts": {name: str(path) for name, path in artefacts.items()},
         "artefact_content_sha256": prov["artefact"]["content_sha256"],
         "provenance_sha256": provenance_sha256,
-        "options": {"k": "auto" if k is None else k, "repeats": repeats, "max_tokens": max_tokens},
+        "options": {"k": k, "repeats": repeats, "max_tokens": max_tokens},
         "held_out": {
             "requests": [prompt.name for prompt in run.prompts],
             "skipped": dict(run.skipped),
