@@ -9,6 +9,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from rich.progress import Progress
@@ -17,9 +18,9 @@ from transformers import PreTrainedModel
 from bench.costs import PassCosts, measure_pass_costs, median_costs
 from bench.divergences import find_divergences
 from bench.report import DivergenceTable, RunTable
-from bench.variants import Generator, Variant, hf_variants, specgate_variants
+from bench.variants import Generator, Run, Variant, hf_variants, specgate_variants
 from bench.workload import BenchPrompt
-from engine.api.types import Method
+from engine.api.types import Method, SamplingParams
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.models.loading import load_model, pick_device
 from engine.models.versioning import model_version
@@ -125,8 +126,21 @@ def run_bench(setup: BenchSetup, prompts: list[BenchPrompt], engines: list[Engin
     return BenchRun(variants, runs, costs, header, divergences, memory)
 
 
+class VariantRunner(Protocol):
+    """What runs one variant on one prompt: ``Generator``, or another backend's replay
+    (``gateway.tune.vllm_pools.PoolReplay``: a vLLM pool over HTTP)."""
+
+    def run(
+        self,
+        variant: Variant,
+        prompt_ids: tuple[int, ...],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+    ) -> Run: ...
+
+
 def interleaved_runs(
-    generator: Generator,
+    generator: VariantRunner,
     variants: list[Variant],
     prompts: list[BenchPrompt],
     repeats: int,

@@ -54,7 +54,7 @@ from engine.models.versioning import read_manifest
 from engine.speculation import methods
 from engine.speculation.adaptive import FallbackMonitor, PassCosts
 from gateway.backends.base import BackendCard, BackendHealth
-from gateway.backends.vllm_acceptance import IntervalAttribution, SpecFigures, per_position
+from gateway.backends.vllm_acceptance import IntervalAttribution, request_figures
 from gateway.backends.vllm_chat import template_renders_tools, tokenize_chat_body
 from gateway.backends.vllm_replica_check import (
     CheckHistory,
@@ -136,7 +136,7 @@ def _error_message(response: httpx.Response) -> str:
     return str(body.get("message", body) if isinstance(body, dict) else body)[:500]
 
 
-def _versions(settings: Settings) -> str:
+def served_version(settings: Settings) -> str:
     """The one model version every server serves (operator-given or from its manifest)."""
     found = set()
     for index, server in enumerate(settings.backend.vllm_servers):
@@ -153,7 +153,7 @@ def _versions(settings: Settings) -> str:
     return found.pop()
 
 
-def _vocab_size(settings: Settings) -> int:
+def served_vocab_size(settings: Settings) -> int:
     for server in settings.backend.vllm_servers:
         if server.model_dir is not None:
             try:
@@ -194,8 +194,9 @@ class VllmBackend:
             self._template_renders_tools()
         except EngineError as error:
             log.warning("vllm_template_probe_deferred", reason=str(error))
-        method = self._card.default_method
-        self._spec_method: Method | None = method if method != "none" else None
+        self._spec_method: Method | None = next(
+            (m for m in self._card.available_methods if m != "none"), None
+        )
         thresholds: dict[Method, float | None] = {}
         if self._spec_method is not None:
             # No pass costs are measured through HTTP, so the speedup rule cannot apply: every
@@ -270,14 +271,19 @@ class VllmBackend:
         if spec_method is not None:
             served.append(spec_method)
         k = speculative.get("num_speculative_tokens") if speculative else None
+        default = spec_method or "none"
+        if settings.method == "none":  # speculation off by default (`tune apply` may set it)
+            if not self._replicas.has("plain"):
+                raise ConfigError("method: 'none' needs a server in the plain pool")
+            default, k = "none", None
         return BackendCard(
             model_name=settings.served_model_name or self._vllm_name,
-            target_version=_versions(settings),
+            target_version=served_version(settings),
             max_context=max_context,
-            vocab_size=_vocab_size(settings),
+            vocab_size=served_vocab_size(settings),
             available_methods=tuple(served),
             speculative_config=dict(speculative) if speculative else {},
-            default_method=spec_method or "none",
+            default_method=default,
             default_num_speculative_tokens=int(k) if isinstance(k, int) else None,
             artefacts=served_artefacts(speculative),
         )
@@ -526,7 +532,7 @@ class VllmBackend:
                 )
             return "plain", False
         method = self._spec_method
-        if method is None:
+        if method is None or (asked is None and self._card.default_method == "none"):
             return "plain", False
         if asked is not None and asked != method:
             raise MethodUnavailableError(
@@ -651,12 +657,7 @@ class VllmBackend:
         if replica.pool != "speculative" or self._spec_method is None:
             return stats
         if per_request is not None:
-            figures = SpecFigures(
-                int(per_request.get("num_spec_steps", 0)),
-                int(per_request.get("num_draft_tokens", 0)),
-                int(per_request.get("num_accepted_draft_tokens", 0)),
-                per_position([int(n) for n in per_request.get("acceptance_histogram") or ()]),
-            )
+            figures = request_figures(per_request)
         else:
             figures = await self._attribution[id(replica)].wait(output_tokens)
             stats.acceptance_source = "interval"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.backends.vllm_wire import SPEC_COUNTERS
 
@@ -35,6 +36,26 @@ class SpecFigures:
     num_draft_tokens: int
     num_accepted_tokens: int
     num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+
+def request_figures(per_request: dict[str, Any]) -> SpecFigures:
+    """One request's figures from vLLM's per-request speculative metrics (its closing usage
+    chunk's ``metrics.speculative_decoding``)."""
+    return SpecFigures(
+        int(per_request.get("num_spec_steps", 0)),
+        int(per_request.get("num_draft_tokens", 0)),
+        int(per_request.get("num_accepted_draft_tokens", 0)),
+        per_position([int(n) for n in per_request.get("acceptance_histogram") or ()]),
+    )
+
+
+def counter_increase(before: dict[str, float], after: dict[str, float]) -> SpecFigures:
+    """The increase of a server's ``vllm:spec_decode_*`` counters (``spec_counters``)
+    between two reads."""
+    drafts, draft_tokens, accepted = (
+        max(0, round(after.get(name, 0.0) - before.get(name, 0.0))) for name in SPEC_COUNTERS
+    )
+    return SpecFigures(drafts, draft_tokens, accepted)
 
 
 def without_trailing_zeros(counts: Sequence[int]) -> tuple[int, ...]:

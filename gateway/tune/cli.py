@@ -98,42 +98,71 @@ def measure(
     database_url: DatabaseUrl = None,
 ) -> None:
     """Replay a sample of this deployment's requests offline through plain decoding and every
-    available method and k on each configured built-in target; report per workload cluster
-    (route and key) tokens/s, latency, acceptance and the speedup with its interval, and
-    recommend a method and k per model. Erased subjects' content is never read; the run is a
+    available method and k on each configured built-in target, and on each pool of each
+    vLLM-served model (its servers as configured); report per workload cluster (route and
+    key) tokens/s, latency, acceptance and the speedup with its interval, and recommend a
+    method and k per model. Erased subjects' content is never read; the run is a
     `tune_measure` audit event naming the requests and subjects read, appended before any
     content is decrypted."""
-    from gateway.tune.measure import DEFAULT_KS, assign, configured_models, measure_model
+    import httpx
+
+    from gateway.tune.measure import (
+        DEFAULT_KS,
+        TuneModel,
+        VllmModel,
+        assign,
+        configured_models,
+        measure_model,
+    )
     from gateway.tune.report import build_report, write_report
     from gateway.tune.sample import Selection, TuneRequest
+    from gateway.tune.vllm_pools import (
+        VllmReplayError,
+        configured_vllm_models,
+        measure_vllm_model,
+    )
 
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
     settings = _settings(config)
-    models = configured_models(settings)
-    if not models:
-        typer.echo("error: no built-in model is configured (vLLM pools are not measured here)",
-                   err=True)
-        raise typer.Exit(2)
-    ks = tuple(k or DEFAULT_KS)
-    options: dict[str, Any] = {
-        "ks": list(ks), "repeats": repeats, "max_tokens": max_tokens, "limit": limit,
-    }
-    selection = Selection(requests, limit, since, until, include_held)
-    sample = _audited_sample(
-        settings, database_url, "tune_measure",
-        {"options": options, "models": [m.name for m in models]}, selection,
-    )
-    chosen, source, skipped = sample.requests, sample.source, sample.skipped
-    by_model, unassigned = assign(chosen, models)
-    skipped.update(unassigned)
-    runs = []
-    for model in models:
-        mine: list[TuneRequest] = by_model[model.name]
-        if mine:
-            runs.append(measure_model(model, mine, ks, repeats, max_tokens))
+    with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+        try:
+            served = configured_vllm_models(settings, client)
+        except VllmReplayError as error:
+            typer.echo(f"error: {error}", err=True)
+            raise typer.Exit(1) from None
+        models: list[TuneModel | VllmModel] = [*configured_models(settings), *served]
+        if not models:
+            typer.echo("error: no model is configured", err=True)
+            raise typer.Exit(2)
+        ks = tuple(k or DEFAULT_KS)
+        options: dict[str, Any] = {
+            "ks": list(ks), "repeats": repeats, "max_tokens": max_tokens, "limit": limit,
+        }
+        selection = Selection(requests, limit, since, until, include_held)
+        sample = _audited_sample(
+            settings, database_url, "tune_measure",
+            {"options": options, "models": [m.name for m in models]}, selection,
+        )
+        chosen, source, skipped = sample.requests, sample.source, sample.skipped
+        by_model, unassigned = assign(chosen, models)
+        skipped.update(unassigned)
+        runs = []
+        for model in models:
+            mine: list[TuneRequest] = by_model[model.name]
+            if not mine:
+                continue
+            try:
+                runs.append(
+                    measure_vllm_model(model, mine, repeats, max_tokens, client)
+                    if isinstance(model, VllmModel)
+                    else measure_model(model, mine, ks, repeats, max_tokens)
+                )
+            except VllmReplayError as error:
+                typer.echo(f"error: {model.name}: {error}", err=True)
+                raise typer.Exit(1) from None
             skipped.update(runs[-1].skipped)
     source["requests_chosen"] = len(chosen)
     source["skipped"] = dict(skipped)

@@ -1,8 +1,9 @@
 """Replay a sample of requests offline through plain decoding and every available method and
 k on each configured built-in target (the benchmark's loop, ``bench.runner.interleaved_runs``,
-with each engine's fallback off so that every method is measured itself), and turn the timed
-runs into figures per workload cluster: tokens/s, latency percentiles, acceptance rate, mean
-accepted length, and the speedup over plain decoding with a bootstrap interval over requests.
+with each engine's fallback off so that every method is measured itself), or on each pool of a
+vLLM-served model (``gateway.tune.vllm_pools``), and turn the timed runs into figures per
+workload cluster: tokens/s, latency percentiles, acceptance rate, mean accepted length, and
+the speedup over plain decoding with a bootstrap interval over requests.
 
 The figures name requests by their `request` event id (or file line) only: no prompt or
 completion text, and no token, leaves this module.
@@ -15,7 +16,7 @@ import platform
 import random
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,39 @@ class TuneModel:
         return name == self.name or name in self.aliases
 
 
+@dataclass(frozen=True)
+class VllmPool:
+    """One pool of a vLLM-served model as measured: the first server configured for it
+    (``url``), its speculative configuration (None: the plain pool), and the method and k
+    that configuration serves (a running server's k cannot be varied)."""
+
+    url: str
+    speculative_config: dict[str, Any] | None
+    method: Method
+    k: int | None
+
+
+@dataclass(frozen=True)
+class VllmModel:
+    """A configured vLLM-served model: the names requests route to it by, the name its
+    servers serve it under, its version, context and vocabulary, and its pools (plain first)."""
+
+    name: str
+    aliases: tuple[str, ...]
+    vllm_name: str
+    target: str
+    version: str
+    max_context: int
+    vocab_size: int
+    pools: tuple[VllmPool, ...]
+
+    def serves(self, name: str | None) -> bool:
+        return name == self.name or name in self.aliases
+
+
 def configured_models(settings: Settings) -> list[TuneModel]:
-    """The built-in (``local``) models the settings serve; vLLM-served models are measured
-    on the vLLM servers themselves (docs/vllm.md), not here."""
+    """The built-in (``local``) models the settings serve; vLLM-served models are measured on
+    their pools (``gateway.tune.vllm_pools.configured_vllm_models``)."""
     from gateway.settings import engine_config
 
     found = []
@@ -73,7 +104,7 @@ def configured_models(settings: Settings) -> list[TuneModel]:
 
 
 def assign(
-    requests: Sequence[TuneRequest], models: Sequence[TuneModel]
+    requests: Sequence[TuneRequest], models: Sequence[TuneModel | VllmModel]
 ) -> tuple[dict[str, list[TuneRequest]], Counter[str]]:
     """Each request to the model it named; with one model configured, every request to it.
     Requests for a model not configured here are counted as ``model_not_configured``."""
@@ -91,6 +122,22 @@ def assign(
     return assigned, skipped
 
 
+@dataclass(frozen=True)
+class PoolVariant(Variant):
+    """A vLLM pool as configured, run on its server (``url``); ``k`` is the pool's own."""
+
+    url: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{super().label} ({self.url})"
+
+
+def pool_variants(model: VllmModel) -> list[Variant]:
+    """One variant per pool of ``model``, the plain pool first."""
+    return [PoolVariant("specgate", pool.method, pool.k, pool.url) for pool in model.pools]
+
+
 def tune_variants(methods: Sequence[Method], ks: Sequence[int]) -> list[Variant]:
     """Plain decoding, then each method with adaptive k and with every fixed k."""
     variants = [Variant("specgate", "none", None)]
@@ -105,9 +152,10 @@ def tune_variants(methods: Sequence[Method], ks: Sequence[int]) -> list[Variant]
 
 @dataclass
 class ModelRun:
-    """One model's measurement: what was loaded, the variants, the prompts and timed runs."""
+    """One model's measurement: what was loaded (or, for a vLLM-served model, what its
+    servers serve), the variants, the prompts and timed runs."""
 
-    model: TuneModel
+    model: TuneModel | VllmModel
     target_version: str
     dtype: str
     methods: list[Method]
@@ -181,21 +229,39 @@ def prompt_ids(request: TuneRequest, tokenizer: PreTrainedTokenizerBase) -> tupl
 def bench_prompts(
     requests: Sequence[TuneRequest], engine: Engine, max_tokens: int
 ) -> tuple[list[BenchPrompt], Counter[str]]:
-    """The requests ``engine`` can replay, as the benchmark's prompts (cluster, id, tokens,
-    capped sampling); one whose prompt does not fit the context, or holds tokens the target
-    does not know (recorded with another tokenizer), is counted by reason."""
+    """The requests ``engine`` can replay (``replayable``)."""
+    return replayable(
+        requests,
+        lambda request: prompt_ids(request, engine.tokenizer),
+        engine.max_context,
+        engine.vocab_size,
+        max_tokens,
+    )
+
+
+def replayable(
+    requests: Sequence[TuneRequest],
+    ids_of: Callable[[TuneRequest], tuple[int, ...] | None],
+    max_context: int,
+    vocab_size: int,
+    max_tokens: int,
+) -> tuple[list[BenchPrompt], Counter[str]]:
+    """The requests a target can replay, as the benchmark's prompts (cluster, id, tokens by
+    ``ids_of``, capped sampling); one that is no request (``ids_of`` gives None), whose
+    prompt does not fit the context, or that holds tokens the target does not know (recorded
+    with another tokenizer), is counted by reason."""
     prompts: list[BenchPrompt] = []
     skipped: Counter[str] = Counter()
     for request in requests:
-        ids = prompt_ids(request, engine.tokenizer)
+        ids = ids_of(request)
         if ids is None:
             skipped["not_a_request"] += 1
             continue
         sampling = request.sampling_params(max_tokens)
-        if not ids or len(ids) + sampling.max_tokens > engine.max_context:
+        if not ids or len(ids) + sampling.max_tokens > max_context:
             skipped["too_long_for_the_context"] += 1
             continue
-        if max(ids) >= engine.vocab_size:
+        if max(ids) >= vocab_size:
             skipped["tokens_unknown_to_the_target"] += 1
             continue
         prompts.append(

@@ -115,11 +115,19 @@ def model_settings(recommendation: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_to_config(document: Any, report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The configuration mapping with each measured model's method and k set, and the change
-    alone (the YAML snippet)."""
+    """The configuration mapping with each measured model's method and k set (a vLLM-served
+    model's method alone: its pools' k is theirs), and the change alone (the YAML snippet)."""
     models = [m for m in report["models"] if m.get("recommendation")]
     return set_model_settings(
-        document, {m["name"]: model_settings(m["recommendation"]) for m in models}
+        document,
+        {
+            m["name"]: (
+                {"method": m["recommendation"]["method"]}
+                if m.get("backend") == "vllm"
+                else model_settings(m["recommendation"])
+            )
+            for m in models
+        },
     )
 
 

@@ -10,7 +10,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from gateway.tune.measure import ALL, ModelRun, figures, machine
+from gateway.tune.measure import ALL, ModelRun, VllmModel, figures, machine
 from gateway.tune.recommend import ACCEPTANCE_FLOOR, recommend
 
 REPORT_KIND = "specgate-tune-report"
@@ -28,9 +28,20 @@ def build_report(
         for cluster in clusters:
             cluster["recommendation"] = recommend(cluster["rows"])
         whole = next((c for c in clusters if c["cluster"] == ALL), None)
+        served: dict[str, Any] = {"backend": "local"}
+        if isinstance(run.model, VllmModel):
+            # The pools as configured: a running server's k cannot be varied.
+            served = {
+                "backend": "vllm",
+                "pools": [
+                    {"url": p.url, "method": p.method, "speculative_config": p.speculative_config}
+                    for p in run.model.pools
+                ],
+            }
         models.append(
             {
                 "name": run.model.name,
+                **served,
                 "target": str(run.model.target),
                 "target_version": run.target_version,
                 "dtype": run.dtype,
@@ -184,6 +195,11 @@ def render_html(report: dict[str, Any]) -> str:
             f"({escape(model['target_version'][:19])}…, {escape(model['dtype'])}); methods "
             f"{escape(', '.join(model['methods']))}; {model['requests']} requests</p>"
         )
+        if model.get("backend") == "vllm":
+            parts.append(
+                "<p class='note'>Served by vLLM: each pool measured on its server as "
+                "configured (k cannot be varied on a running server).</p>"
+            )
         parts.append(_recommendation_line(model["recommendation"]))
         for cluster in model["clusters"]:
             if cluster["cluster"] == ALL:

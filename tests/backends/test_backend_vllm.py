@@ -21,11 +21,14 @@ import httpx
 import openai
 import pytest
 import sqlalchemy as sa
+import yaml
+from typer.testing import CliRunner
 
 from bench.vllm_server import VllmServer, running
 from engine.models.versioning import model_version, write_manifest
 from gateway.app import load_configured_backend
 from gateway.audit.schema import audit_events
+from gateway.cli import app as specgate_cli
 from gateway.privacy.commitments import text_bytes
 from gateway.settings import Settings
 from tests.api_harness import LiveGateway, fresh_database, live_gateway
@@ -463,6 +466,81 @@ def test_a_tokenizer_that_answers_otherwise_is_not_used(vllm: Servers, tmp_path:
             api.chat.completions.create(model=SERVED, messages=messages, max_tokens=4)  # type: ignore[arg-type]
             expected = {"/tokenize": 1.0, "/detokenize": 1.0, "/v1/completions": 1.0}
             assert requests_since(vllm, before, expected) == expected
+
+
+def test_tune_measure_replays_recorded_requests_on_each_pool(vllm: Servers, tmp_path: Path) -> None:
+    """`specgate tune measure` replays the requests recorded through a gateway over the vLLM
+    servers on each pool directly: a plain and an n-gram row per workload cluster, vLLM's own
+    acceptance for the n-gram pool, a recommendation that `tune apply` writes, and the
+    gateway honours the model's `method: none`."""
+    data = tmp_path / "data"
+    with fresh_database() as (name, url):
+        settings = vllm_settings(vllm, data, url, store_content=True)
+        with live_gateway(settings, name, load_configured_backend) as live:
+            support = live.services.keys.create("app", "support-bot", "tests")[1]
+            code = live.services.keys.create("app", "code-assistant", "tests")[1]
+            bodies = [(support, "/v1/chat/completions", {"messages": [{"role": "user",
+                                                                     "content": c}]})
+                      for c in CHATS[:3]]  # fmt: skip
+            bodies += [(code, "/v1/completions", {"prompt": p}) for p in (PROMPT, CHATS[2])]
+            for key, route, body in bodies:
+                reply = httpx.post(
+                    live.base_url + route,
+                    json={"model": SERVED, "max_tokens": 12, "temperature": 0, **body},
+                    headers={"Authorization": f"Bearer {key}"},
+                    timeout=120,
+                )
+                assert reply.status_code == 200, reply.text
+        config = tmp_path / "gateway.yaml"
+        block = settings.backend.model_dump(mode="json", exclude_defaults=True)
+        document = {"backend": block, "database_url": url, "data_dir": str(data),
+                    "store_content": True}  # fmt: skip
+        config.write_text(yaml.safe_dump(document))
+        out = tmp_path / "tune"
+        measured = CliRunner().invoke(
+            specgate_cli,
+            ["tune", "measure", "--config", str(config), "--out", str(out), "--max-tokens", "12"],
+        )
+        assert measured.exit_code == 0, measured.output
+        report = json.loads((out / "tune.json").read_text())
+        (model,) = report["models"]
+        assert (model["name"], model["backend"]) == (SERVED, "vllm")
+        assert model["methods"] == ["none", "ngram"]
+        assert model["requests"] == len(bodies)
+        clusters = {c["cluster"]: c for c in model["clusters"]}
+        assert set(clusters) == {
+            "all", "/v1/chat/completions support-bot", "/v1/completions code-assistant"
+        }
+        for cluster in clusters.values():
+            rows = {(row["method"], row["k"]): row for row in cluster["rows"]}
+            assert set(rows) == {("none", None), ("ngram", NGRAM["num_speculative_tokens"])}
+            assert rows[("none", None)]["variant"].endswith(f"({vllm.plain.url})")
+            ngram = rows[("ngram", NGRAM["num_speculative_tokens"])]
+            assert ngram["variant"].endswith(f"({vllm.speculative.url})")
+            assert ngram["draft_tokens"] > 0
+            assert 0.0 <= ngram["acceptance_rate"] <= 1.0
+            for row in rows.values():
+                assert row["tokens_per_second"] > 0
+                assert row["speedup_low"] <= row["speedup"] <= row["speedup_high"]
+            assert cluster["recommendation"]["verdict"] in ("on", "off", "no_gain_shown")
+        recommendation = model["recommendation"]
+        assert recommendation["method"] in ("none", "ngram")
+        applied = CliRunner().invoke(
+            specgate_cli, ["tune", "apply", "--report", str(out / "tune.json"),
+                           "--config", str(config)],
+        )  # fmt: skip
+        assert applied.exit_code == 0, applied.output
+        assert yaml.safe_load(config.read_text())["method"] == recommendation["method"]
+        # Where the recommendation is `none`, requests go to the plain pool unless they name
+        # the speculative pool's method.
+        off = vllm_settings(vllm, data, url, store_content=True, method="none")
+        with live_gateway(off, name, load_configured_backend, key_prefix="off") as live:
+            for asked, server in ((None, vllm.plain), ({"method": "ngram"}, vllm.speculative)):
+                extra = {"speculative": asked} if asked else {}
+                client(live).completions.create(
+                    model=SERVED, prompt=PROMPT, max_tokens=4, extra_body=extra
+                )
+                assert payloads(live, "completion")[-1]["replica"] == server.url
 
 
 def test_a_killed_replica_is_taken_out(gateway: LiveGateway, vllm: Servers) -> None:
