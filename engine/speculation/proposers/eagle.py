@@ -75,7 +75,7 @@ def grow_tree(
     ``to_target`` names the target tokens of their indices. ``pays``, given the frontier's
     draft probability mass (what its children can add to the expected accepted length, at
     most), says whether another level is worth its draft pass (None: every level is)."""
-    topk = min(tree.eagle_topk, budget)
+    topk = min(tree.eagle_topk, budget, root.shape[-1])  # no more than the draft scores
     steps = min(tree.num_steps, budget)
     tokens: list[int] = []
     parents: list[int] = []

@@ -104,10 +104,12 @@ class MedusaProposer:
         trees_allowed: bool = True,
     ) -> None:
         """``trees_allowed`` False (a target that verifies chains only): the tree shrinks to
-        its chain of top-1 picks."""
+        its chain of top-1 picks. Nodes ranked beyond what the heads score (a draft vocabulary
+        smaller than the tree is wide) are left out, with everything under them."""
         check_tree(tree)
         depth = heads.config.medusa_num_heads
-        paths = [p for p in tree if len(p) <= depth]
+        scored = heads.config.draft_vocab_size or heads.config.vocab_size
+        paths = [p for p in tree if len(p) <= depth and max(p) < scored]
         if not trees_allowed:
             paths = [p for p in paths if all(rank == 0 for rank in p)]
         self.heads = heads
