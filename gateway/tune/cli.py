@@ -14,6 +14,8 @@ import typer
 from engine.api.types import MAX_SPECULATIVE_TOKENS
 from gateway.cli_admin import DatabaseUrl, _cli_actor
 from gateway.cli_privacy import content_stores
+from gateway.tune.recommend import ACCEPTANCE_FLOOR
+from gateway.tune.watch import DEFAULT_MARGIN, DEFAULT_WINDOW_TOKENS
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
@@ -497,11 +499,13 @@ def watch(
     config: ConfigFile = None,
     window_tokens: Annotated[
         int, typer.Option(min=1, help="Draft tokens per model and method in the window.")
-    ] = 2000,
+    ] = DEFAULT_WINDOW_TOKENS,
     margin: Annotated[
         float, typer.Option(min=0.0, max=1.0, help="Drop below the measured acceptance allowed.")
-    ] = 0.1,
-    floor: Annotated[float, typer.Option(min=0.0, max=1.0, help="Acceptance floor.")] = 0.6,
+    ] = DEFAULT_MARGIN,
+    floor: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Acceptance floor.")
+    ] = ACCEPTANCE_FLOOR,
     metrics_file: Annotated[
         Path | None,
         typer.Option(help="Write Prometheus gauges here (node-exporter textfile collector)."),
