@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import typer
 
 from engine.api.types import MAX_SPECULATIVE_TOKENS
+from engine.training.heads import options
 from gateway.cli_admin import DatabaseUrl, _cli_actor
 from gateway.cli_privacy import content_stores
 from gateway.tune.recommend import ACCEPTANCE_FLOOR
@@ -214,22 +215,14 @@ def train(
         typer.Option(min=0.01, max=0.99, help="Share of the requests held out to measure on."),
     ] = 0.25,
     seed: Annotated[int, typer.Option(help="Seed of the split, the data order and the heads.")] = 0,
-    steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 300,
-    num_heads: Annotated[int, typer.Option(help="medusa_num_heads (Medusa only).")] = 4,
-    answer_tokens: Annotated[
-        int, typer.Option(min=2, help="Tokens the target answers each training prompt with.")
-    ] = 96,
-    generation_batch: Annotated[int, typer.Option(help="Prompts answered side by side.")] = 32,
-    draft_vocab_size: Annotated[
-        int, typer.Option(help="Tokens the heads score (the target's most written); 0: all.")
-    ] = 8192,
-    rows_per_step: Annotated[
-        int, typer.Option(help="Positions per step (EAGLE: of the token loss).")
-    ] = 256,
-    sequences_per_step: Annotated[
-        int, typer.Option(help="Whole sequences per step (EAGLE only).")
-    ] = 4,
-    lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 1e-3,
+    steps: options.Steps = options.STEPS,
+    num_heads: options.NumHeads = options.NUM_HEADS,
+    answer_tokens: options.AnswerTokens = options.ANSWER_TOKENS,
+    generation_batch: options.GenerationBatch = options.GENERATION_BATCH,
+    draft_vocab_size: options.DraftVocabSize = options.DRAFT_VOCAB_SIZE,
+    rows_per_step: options.RowsPerStep = options.ROWS_PER_STEP,
+    sequences_per_step: options.SequencesPerStep = options.SEQUENCES_PER_STEP,
+    lr: options.LearningRate = options.LEARNING_RATE,
     k: Annotated[
         int,
         typer.Option("--k", min=1, max=MAX_SPECULATIVE_TOKENS,

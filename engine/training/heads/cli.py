@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from engine.training.heads import options
+
 if TYPE_CHECKING:
     from engine.training.heads.train import Progress
 
@@ -55,9 +57,9 @@ def train(
         typer.Option(help="Text directory whose snippets the target continues; default: the "
                      "target answers the demo's distillation prompts."),
     ] = None,
-    steps: Annotated[int, typer.Option(help="Training steps.")] = 400,
+    steps: options.Steps = options.STEPS,
     seed: Annotated[int, typer.Option(help="Seed of the data order and the heads.")] = 0,
-    num_heads: Annotated[int, typer.Option(help="medusa_num_heads (Medusa only)")] = 4,
+    num_heads: options.NumHeads = options.NUM_HEADS,
     prompts: Annotated[
         int, typer.Option(help="Demo distillation prompts the target answers (without --data).")
     ] = 320,
@@ -66,18 +68,12 @@ def train(
         typer.Option(help="Text snippets the target continues (default: 256 with --data, "
                      "none without)."),
     ] = None,
-    answer_tokens: Annotated[int, typer.Option(help="Tokens per answer or continuation.")] = 128,
-    generation_batch: Annotated[int, typer.Option(help="Prompts answered side by side.")] = 64,
-    draft_vocab_size: Annotated[
-        int, typer.Option(help="Tokens the heads score (the target's most written); 0: all.")
-    ] = 8192,
-    rows_per_step: Annotated[
-        int, typer.Option(help="Positions per step (EAGLE: of the token loss).")
-    ] = 256,
-    sequences_per_step: Annotated[
-        int, typer.Option(help="Whole sequences per step (EAGLE only).")
-    ] = 4,
-    lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 3e-3,
+    answer_tokens: options.AnswerTokens = options.ANSWER_TOKENS,
+    generation_batch: options.GenerationBatch = options.GENERATION_BATCH,
+    draft_vocab_size: options.DraftVocabSize = options.DRAFT_VOCAB_SIZE,
+    rows_per_step: options.RowsPerStep = options.ROWS_PER_STEP,
+    sequences_per_step: options.SequencesPerStep = options.SEQUENCES_PER_STEP,
+    lr: options.LearningRate = options.LEARNING_RATE,
     held_out: Annotated[
         float,
         typer.Option(help="Share of the sequences held out to measure each Medusa head's top-1 "
