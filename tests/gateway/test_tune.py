@@ -328,9 +328,11 @@ def test_the_compliance_report_lists_each_tuning_run_and_the_content_it_read(
     assert "content_not_stored: 2, erased: 7, legal_hold: 7" in rows
 
 
+@pytest.mark.parametrize("command", ["measure", "train"])
 def test_nothing_is_read_when_the_run_cannot_be_recorded(
-    company: Company, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    company: Company, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
 ) -> None:
+    """Neither measuring nor training reads content (or trains) unless its run is recorded."""
     from gateway.audit.log import AuditLog, AuditUnavailableError
     from gateway.privacy.store import PrivacyStore
 
@@ -342,7 +344,7 @@ def test_nothing_is_read_when_the_run_cannot_be_recorded(
     monkeypatch.setattr(PrivacyStore, "read_content", lambda _self, c: reads.append(c))
     result = CliRunner().invoke(
         specgate_cli,
-        ["tune", "measure", "--config", str(company.config), "--out", str(tmp_path / "out")],
+        ["tune", command, "--config", str(company.config), "--out", str(tmp_path / "out")],
     )
     assert result.exit_code == 1
     assert "nothing was read" in result.output

@@ -149,27 +149,6 @@ def test_the_train_run_is_audited_before_any_content_is_read_and_names_the_subje
     assert refs["bob"] not in json.dumps(run.provenance)
 
 
-def test_nothing_is_read_or_trained_when_the_run_cannot_be_recorded(
-    company: Company, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from gateway.audit.log import AuditLog, AuditUnavailableError
-    from gateway.privacy.store import PrivacyStore
-
-    def refuse(*_args: Any, **_kwargs: Any) -> Any:
-        raise AuditUnavailableError("audit store unavailable: test")
-
-    reads: list[Any] = []
-    monkeypatch.setattr(AuditLog, "append", refuse)
-    monkeypatch.setattr(PrivacyStore, "read_content", lambda _self, c: reads.append(c))
-    result = CliRunner().invoke(
-        specgate_cli,
-        ["tune", "train", "--config", str(company.config), "--out", str(tmp_path / "out")],
-    )
-    assert result.exit_code == 1
-    assert "nothing was read" in result.output
-    assert reads == [] and not (tmp_path / "out").exists()
-
-
 def test_the_artefact_has_its_provenance_and_no_content(company: Company, trained: Trained) -> None:
     prov = trained.provenance
     target = Path(yaml.safe_load(company.config.read_text())["target"])
