@@ -1,6 +1,6 @@
 """The operator's pages (``admin``): the models served, their methods and whether speculation
-is switched off now, how fast each model and method has been, recent fallback and alarm
-events; the keys (list, create, revoke); usage per key and model."""
+is switched off now, how fast each model and method has been, recent fallback, acceptance drift
+and alarm events; the keys (list, create, revoke); usage per key and model."""
 
 from __future__ import annotations
 

@@ -20,7 +20,9 @@ from gateway.keys import Principal
 PAGE_SIZE = 50
 # How many of the newest completion events the models page summarises.
 PERFORMANCE_WINDOW = 500
-OPERATOR_KINDS = ("fallback", "tamper_detected", "alarm_cleared", "backend_replica")
+OPERATOR_KINDS = (
+    "fallback", "acceptance_drift", "tamper_detected", "alarm_cleared", "backend_replica",
+)
 
 
 @dataclass(frozen=True)
