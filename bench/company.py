@@ -1,7 +1,7 @@
 """A made-up company's traffic, recorded through a live gateway, for the tuning loop at demo
 scale (``specgate tune measure`` / ``train`` on it).
 
-    python -m bench.company --data-dir DIR [--requests 300] [--seed 0]
+    python -m bench.company --data-dir DIR [--requests 300] [--max-tokens 48] [--clients 8]
 
 Alpmatt Logistik AG runs four internal applications on the gateway, each with its own API key:
 ``dispatch-assistant`` (customer replies about shipments), ``policy-desk`` (questions on internal
@@ -12,15 +12,16 @@ and the benchmark's prompt sets: what a retrained proposer learns from them is t
 own regularities, not the benchmark's.
 
 The gateway stores content (``store_content``) and serves the demo target; each request asks
-for one token (the recorded prompt is what tuning replays; the answers it needs, the target
-writes again offline). The configuration written to ``DIR/gateway.yaml`` is the one ``specgate
-tune`` then reads.
+for up to ``--max-tokens`` (48), the budget a replay by ``specgate tune`` keeps, sent by
+``--clients`` (8) clients at once. The configuration written to ``DIR/gateway.yaml`` is the one
+``specgate tune`` then reads.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +121,12 @@ def configuration(data_dir: Path, target: Path, heads: Path | None) -> dict[str,
     return config
 
 
-def record(data_dir: Path, target: Path, heads: Path | None, count: int, seed: int) -> Path:
-    """Serve the company's gateway, send its requests (one token each) under each application's
-    key, and return the configuration file ``specgate tune`` reads."""
+def record(
+    data_dir: Path, target: Path, heads: Path | None, count: int, seed: int,
+    max_tokens: int = 48, clients: int = 8,
+) -> Path:
+    """Serve the company's gateway, send its requests under each application's key from
+    ``clients`` threads, and return the configuration file ``specgate tune`` reads."""
     from bench.gateway_overhead import serving
     from gateway.settings import load_settings
 
@@ -133,14 +137,19 @@ def record(data_dir: Path, target: Path, heads: Path | None, count: int, seed: i
     with serving(settings) as (url, services):
         keys = {app: services.keys.create("app", app, "company")[1] for app in APPS}
         model = services.backend.card.model_name
-        with httpx.Client(base_url=url, timeout=120) as client:
-            for app, body in company_requests(count, seed):
+        with httpx.Client(base_url=url, timeout=600) as client:
+
+            def send(request: tuple[str, dict[str, Any]]) -> None:
+                app, body = request
                 response = client.post(
                     "/v1/chat/completions",
-                    json={**body, "model": model, "max_tokens": 1, "temperature": 0},
+                    json={**body, "model": model, "max_tokens": max_tokens, "temperature": 0},
                     headers={"authorization": f"Bearer {keys[app]}"},
                 )
                 response.raise_for_status()
+
+            with ThreadPoolExecutor(clients) as pool:
+                list(pool.map(send, company_requests(count, seed)))
     return config_path
 
 
@@ -151,11 +160,16 @@ def main() -> None:
     parser.add_argument("--heads", type=Path, default=None, help="Medusa heads served before")
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--clients", type=int, default=8)
     args = parser.parse_args()
     from engine.training.demo.paths import default_demo_dir
 
     target = args.target or default_demo_dir() / "target"
-    print(record(args.data_dir, target, args.heads, args.requests, args.seed))
+    config = record(
+        args.data_dir, target, args.heads, args.requests, args.seed, args.max_tokens, args.clients
+    )
+    print(config)
 
 
 if __name__ == "__main__":
