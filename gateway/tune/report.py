@@ -135,10 +135,15 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return f"<table>{head}{body}</table>"
 
 
+# Width of a character of the chart's 12 px labels, at most (system-ui sans-serif).
+LABEL_CHAR_PX = 7
+
+
 def speedup_chart(rows: list[dict[str, Any]]) -> str:
     """Horizontal bars of each variant's speedup with its interval as a whisker, and the
-    line at 1 (plain decoding)."""
-    bar_h, gap, left, width = 18, 6, 130, 520
+    line at 1 (plain decoding). The labels' column is as wide as the longest label."""
+    bar_h, gap, width = 18, 6, 520
+    left = max(130, LABEL_CHAR_PX * max(len(row["variant"]) for row in rows) + 12)
     top = max([r["speedup_high"] for r in rows] + [1.2]) * 1.05
     height = len(rows) * (bar_h + gap) + 30
 

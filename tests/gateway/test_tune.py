@@ -219,6 +219,33 @@ def test_the_html_report_is_self_contained_and_renders_in_chromium(measured: Pat
     assert "medusa k=auto" in dom and "support-bot" in dom
 
 
+def test_the_chart_labels_fit_in_the_chart_whatever_their_length(tmp_path: Path) -> None:
+    """Variant labels (a retrained artefact's, a vLLM pool's with its URL) are drawn whole:
+    Chromium lays them out at x >= 0 in the SVG."""
+    from gateway.tune.report import speedup_chart
+
+    labels = ("none", "medusa k=4 (retrained)", "ngram k=3 (http://127.0.0.1:40123)")
+    rows = [
+        {"variant": label, "method": label.split()[0], "speedup": 1.0 + i / 4,
+         "speedup_low": 0.9 + i / 4, "speedup_high": 1.1 + i / 4}
+        for i, label in enumerate(labels)
+    ]  # fmt: skip
+    page = tmp_path / "chart.html"
+    page.write_text(
+        "<!doctype html><body>" + speedup_chart(rows) + "<script>document.body.dataset.left ="
+        " Math.min(...[...document.querySelectorAll('text')].map(t => t.getBBox().x));"
+        "</script></body>"
+    )
+    browser = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    dom = subprocess.run(
+        [*browser, "--dump-dom", page.as_uri()],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout
+    found = re.search(r'data-left="(-?[0-9.e-]+)"', dom)
+    assert found is not None, dom[-500:]
+    assert float(found.group(1)) >= 0
+
+
 def test_apply_writes_the_recommendation_and_an_audit_event_with_the_report_hash(
     company: Company, measured: Path, tmp_path: Path
 ) -> None:
