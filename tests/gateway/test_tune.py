@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,22 +101,33 @@ def company(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Company]:
     data = build_data(model, load_tokenizer(target), SAMPLE_TEXT, SPEC, version, quiet)
     heads, _ = train_medusa(model, data, SPEC, version, quiet)
     heads.save(root / "medusa")
-    options: dict[str, Any] = {
-        "heads": root / "medusa", "method": "draft", "store_content": True,
-        "acceptance_threshold": 0.0, "fallback_min_speedup": 0.0,
-    }
+    options: dict[str, Any] = {"acceptance_threshold": 0.0, "fallback_min_speedup": 0.0}
+    with recorded_company(root, target, draft, root / "medusa", "draft", **options) as company:
+        yield company
+
+
+@contextmanager
+def recorded_company(
+    root: Path, target: Path, draft: Path, heads: Path, method: str, **options: Any
+) -> Iterator[Company]:
+    """A live gateway on a fresh PostgreSQL database serving ``target`` with ``heads`` (and
+    ``draft`` loaded) by ``method``, content stored, ``options`` besides; the company's traffic
+    recorded through it, bob's data erased and carol under a legal hold; its configuration
+    file written as `specgate tune` reads it."""
     with fresh_database() as (name, url):
-        settings = gateway_settings((target, draft), root / "data", url, **options)
+        settings = gateway_settings(
+            (target, draft), root / "data", url, heads=heads, method=method,
+            store_content=True, **options,
+        )  # fmt: skip
         config = root / "gateway.yaml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "target": str(target), "draft": str(draft), "heads": str(root / "medusa"),
-                    "method": "draft", "database_url": url, "data_dir": str(root / "data"),
-                    "device": "cpu", "dtype": "float32", "store_content": True,
-                }
-            )
-        )
+        written = {
+            "target": str(target), "heads": str(heads), "method": method, "database_url": url,
+            "data_dir": str(root / "data"), "device": "cpu", "dtype": "float32",
+            "store_content": True,
+        }  # fmt: skip
+        if method == "draft":  # the file names the draft only where it serves by it
+            written["draft"] = str(draft)
+        config.write_text(yaml.safe_dump(written))
         with live_gateway(settings, name) as live:
             ids = _traffic(live)
             privacy = live.services.privacy

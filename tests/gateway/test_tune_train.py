@@ -28,10 +28,8 @@ from engine.models.versioning import model_version
 from engine.serving.service import Engine
 from engine.training.heads.medusa import MedusaConfig, MedusaHeads
 from gateway.cli import app as specgate_cli
-from gateway.privacy.store import user_subject
 from gateway.tune.train import verdict
-from tests.api_harness import fresh_database, gateway_settings, live_gateway
-from tests.gateway.test_tune import CANARY, Company, _events, _traffic
+from tests.gateway.test_tune import CANARY, Company, _events, recorded_company
 from tests.heads_harness import FLAT_PASS_SECONDS
 from tests.tiny_models import build_model, build_noisy_copy, build_tokenizer
 
@@ -61,28 +59,8 @@ def company(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Company]:
     target = build_model(root / "target", build_tokenizer(), seed=0, hidden=64, layers=2)
     draft = build_noisy_copy(target, root / "draft", noise=0.3)
     _weak_heads(target, root / "weak-medusa")
-    with fresh_database() as (name, url):
-        settings = gateway_settings(
-            (target, draft), root / "data", url, heads=root / "weak-medusa", method="medusa",
-            store_content=True,
-        )
-        config = root / "gateway.yaml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "target": str(target), "heads": str(root / "weak-medusa"),
-                    "method": "medusa", "database_url": url, "data_dir": str(root / "data"),
-                    "device": "cpu", "dtype": "float32", "store_content": True,
-                }
-            )
-        )
-        with live_gateway(settings, name) as live:
-            ids = _traffic(live)
-            privacy = live.services.privacy
-            refs = {user: privacy.subject_ref(user_subject(user)) for user in ids}
-            privacy.erase_subject(refs["bob"], "tests")
-            privacy.place_hold(refs["carol"], "tests")
-            yield Company(live, config, ids, refs)
+    with recorded_company(root, target, draft, root / "weak-medusa", "medusa") as company:
+        yield company
 
 
 @dataclass
