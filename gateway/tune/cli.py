@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -188,7 +188,7 @@ def train(
         Path, typer.Option("--config", help="The gateway's configuration (YAML), as `specgate "
                            "serve`; --promote rewrites it.")
     ],
-    method: Annotated[str, typer.Option(help="medusa | eagle")] = "medusa",
+    method: Annotated[str, typer.Option(help="medusa | eagle | draft")] = "medusa",
     model_name: Annotated[
         str | None, typer.Option("--model", help="The model to train for (default: the one "
                                  "configured built-in model).")
@@ -223,6 +223,16 @@ def train(
     rows_per_step: options.RowsPerStep = options.ROWS_PER_STEP,
     sequences_per_step: options.SequencesPerStep = options.SEQUENCES_PER_STEP,
     lr: options.LearningRate = options.LEARNING_RATE,
+    draft_layer: Annotated[
+        list[int] | None,
+        typer.Option("--draft-layer", help="A target layer the draft starts from, repeated in "
+                     "order (draft only; default: the demo draft's)."),
+    ] = None,
+    draft_head_tokens: Annotated[
+        int | None,
+        typer.Option(min=1, help="Tokens the draft's head scores, the target's most written "
+                     "(draft only; default: the demo draft's)."),
+    ] = None,
     k: Annotated[
         int,
         typer.Option("--k", min=1, max=MAX_SPECULATIVE_TOKENS,
@@ -234,7 +244,7 @@ def train(
     ] = 64,
     promote: Annotated[
         bool,
-        typer.Option(help="Point the configuration at the new heads if they are better on the "
+        typer.Option(help="Point the configuration at the new artefact if it is better on the "
                      "held-out requests (a `tune_promote` event either way)."),
     ] = False,
     keep_cache: Annotated[
@@ -243,22 +253,24 @@ def train(
                      "they go once the run is done (a failed run keeps them to resume)."),
     ] = False,
     out: Annotated[
-        Path, typer.Option(help="Where the heads, provenance.json and train.json go.")
+        Path, typer.Option(help="Where the artefact, provenance.json and train.json go.")
     ] = Path("tune-train"),
     threads: Annotated[int | None, typer.Option(help="torch CPU threads.")] = None,
     database_url: DatabaseUrl = None,
 ) -> None:
-    """Retrain Medusa heads or an EAGLE draft on the target's own answers to a sample of
-    this deployment's requests, and compare them on held-out requests with plain decoding and
-    the configured heads of that method. The run is a `tune_train` audit event naming the
-    requests and subjects read, appended before any content is decrypted; erased subjects'
-    content is never read. With --promote the configuration points at the new heads only if
-    their held-out acceptance and speedup beat the current heads' (or, without current heads,
-    plain decoding)."""
+    """Retrain Medusa heads, an EAGLE draft or a draft model on the target's own answers to
+    a sample of this deployment's requests, and compare them on held-out requests with plain
+    decoding and the configured artefact of that method. The run is a `tune_train` audit event
+    naming the requests and subjects read, appended before any content is decrypted; erased
+    subjects' content is never read. With --promote the configuration points at the new
+    artefact only if its held-out acceptance and speedup beat the current one's (or, without
+    one, plain decoding). The draft model takes --steps, --answer-tokens, --generation-batch
+    and --lr, and its own recipe otherwise (engine.training.demo.draft.DraftSpec)."""
     import shutil
 
     import yaml
 
+    from engine.training.demo.draft import DraftSpec
     from engine.training.heads.cli import training_progress
     from engine.training.heads.train import HeadsSpec
     from gateway.tune.measure import assign, configured_models, measure_artefacts
@@ -270,7 +282,8 @@ def train(
         CURRENT,
         PROVENANCE_FILE,
         RETRAINED,
-        current_heads,
+        TuneMethod,
+        current_artefact,
         distil,
         provenance,
         recipe,
@@ -279,10 +292,11 @@ def train(
         write_json,
     )
 
-    if method not in ("medusa", "eagle"):
-        typer.echo(f"error: --method {method!r}: heads are 'medusa' or 'eagle'", err=True)
+    methods: dict[str, TuneMethod] = {"medusa": "medusa", "eagle": "eagle", "draft": "draft"}
+    if method not in methods:
+        typer.echo(f"error: --method {method!r}: 'medusa', 'eagle' or 'draft'", err=True)
         raise typer.Exit(2)
-    heads_kind: Literal["medusa", "eagle"] = "eagle" if method == "eagle" else "medusa"
+    kind = methods[method]
     if threads is not None:
         import torch
 
@@ -300,19 +314,29 @@ def train(
             err=True,
         )
         raise typer.Exit(2)
-    spec = HeadsSpec(
-        num_heads=num_heads, snippets=0, answer_tokens=answer_tokens,
-        generation_batch=generation_batch, steps=steps, rows_per_step=rows_per_step, lr=lr,
-        warmup_steps=min(50, steps // 10), seed=seed, draft_vocab_size=draft_vocab_size or None,
-        sequences_per_step=sequences_per_step,
-    )
+    spec: HeadsSpec | DraftSpec
+    if kind == "draft":
+        # The count of prompts is the sample's, set once it is read.
+        spec = DraftSpec(
+            layers=tuple(draft_layer or DraftSpec.layers),
+            head_tokens=draft_head_tokens or DraftSpec.head_tokens, prompts=0,
+            answer_tokens=answer_tokens, generation_batch=generation_batch,
+            steps=steps, lr=lr, warmup_steps=min(DraftSpec.warmup_steps, steps // 10), seed=seed,
+        )
+    else:
+        spec = HeadsSpec(
+            num_heads=num_heads, snippets=0, answer_tokens=answer_tokens,
+            generation_batch=generation_batch, steps=steps, rows_per_step=rows_per_step, lr=lr,
+            warmup_steps=min(50, steps // 10), seed=seed,
+            draft_vocab_size=draft_vocab_size or None, sequences_per_step=sequences_per_step,
+        )
     options: dict[str, Any] = {
         "limit": limit, "k": k, "repeats": repeats, "max_tokens": max_tokens,
-        "promote": promote, "recipe": recipe(spec, heads_kind, held_out),
+        "promote": promote, "recipe": recipe(spec, kind, held_out),
     }
     sample = _audited_sample(
         settings, database_url, "tune_train",
-        {"options": options, "model": model.name, "method": heads_kind},
+        {"options": options, "model": model.name, "method": kind},
         Selection(requests, limit, since, until, include_held),
     )
     by_model, unassigned = assign(sample.requests, [model])
@@ -324,8 +348,8 @@ def train(
         raise typer.Exit(1) from None
     out.mkdir(parents=True, exist_ok=True)
     try:
-        with training_progress(heads_kind) as progress:
-            trained = distil(model, heads_kind, trained_requests, spec, out, progress)
+        with training_progress(kind) as progress:
+            trained = distil(model, kind, trained_requests, spec, out, progress)
     except ValueError as error:  # no prompt to learn from, or answers too short
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(1) from None
@@ -334,13 +358,13 @@ def train(
         f"trained on {len(trained.trained_on)} requests: {summary['answers_generated']} answers "
         f"generated, {summary['answers_read_back']} read back from {out / CACHE_DIR}"
     )
-    prov = provenance(model, sample, trained, held_requests, spec, heads_kind, held_out)
+    prov = provenance(model, sample, trained, held_requests, kind, held_out)
     provenance_sha256 = write_json(prov, out / PROVENANCE_FILE)
-    current = current_heads(model, heads_kind)
+    current = current_artefact(model, kind)
     artefacts = {CURRENT: current} if current is not None else {}
     artefacts[RETRAINED] = trained.directory
     run = measure_artefacts(
-        model, heads_kind, artefacts, held_requests, k, repeats, max_tokens
+        model, kind, artefacts, held_requests, k, repeats, max_tokens
     )
     if not run.prompts:
         typer.echo("error: no held-out request can be replayed on this target", err=True)
@@ -360,7 +384,7 @@ def train(
     if promote:
         evidence = {
             "model": model.name,
-            "method": heads_kind,
+            "method": kind,
             "artefact": str(trained.directory.resolve()),
             "content_sha256": trained.content_sha256,
             "current": str(current) if current is not None else None,
@@ -372,9 +396,10 @@ def train(
             "reason": decision["reason"],
         }
         if decision["better"]:
-            change: dict[str, Any] = {"heads": str(trained.directory.resolve())}
-            if model.method in ("medusa", "eagle") and model.method != heads_kind:
-                change["method"] = heads_kind  # the other method's heads are replaced
+            field = "draft" if kind == "draft" else "heads"
+            change: dict[str, Any] = {field: str(trained.directory.resolve())}
+            if kind != "draft" and model.method in ("medusa", "eagle") and model.method != kind:
+                change["method"] = kind  # the other method's heads are replaced
             document = yaml.safe_load(config.read_text())
             try:
                 updated, written = set_model_settings(document, {model.name: change})

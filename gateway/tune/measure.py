@@ -308,17 +308,13 @@ def measure_artefacts(
     repeats: int,
     max_tokens: int,
 ) -> ModelRun:
-    """Plain decoding and ``method`` at ``k`` from each of ``artefacts`` (name: heads
-    directory, one engine each, fallback off), interleaved on ``requests`` as
-    ``measure_model`` does; the variants are ``ArtefactVariant``s named after their
-    artefacts."""
-    from bench.runner import BenchSetup, interleaved_runs, load_engines
+    """Plain decoding and ``method`` at ``k`` from each of ``artefacts`` (name: heads or, for
+    ``draft``, draft model directory; one engine each, fallback off), interleaved on
+    ``requests`` as ``measure_model`` does; the variants are ``ArtefactVariant``s named after
+    their artefacts."""
+    from bench.runner import interleaved_runs
 
-    setup = BenchSetup(
-        target=model.target, draft=None, repeats=repeats, fixed_k=k,
-        heads=tuple(artefacts.values()),
-    )
-    engines = load_engines(setup)
+    engines = _artefact_engines(model.target, method, tuple(artefacts.values()), k, repeats)
     try:
         plain = Variant("specgate", "none", None)
         by_variant: dict[Variant, Engine] = {plain: engines[0]}
@@ -347,6 +343,25 @@ def measure_artefacts(
     finally:
         for each in engines:
             each.close()
+
+
+def _artefact_engines(
+    target: Path, method: Method, directories: tuple[Path, ...], k: int, repeats: int
+) -> list[Engine]:
+    """One engine per directory: serving it as its heads, or as its draft for ``draft``."""
+    from bench.runner import BenchSetup, load_engine, load_engines
+
+    if method != "draft":
+        return load_engines(BenchSetup(target, None, repeats, k, heads=directories))
+    engines: list[Engine] = []
+    try:
+        for draft in directories:
+            engines.append(load_engine(BenchSetup(target, draft, repeats, k)))
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
+    return engines
 
 
 # --- figures -------------------------------------------------------------------------------

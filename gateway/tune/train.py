@@ -1,19 +1,22 @@
-"""Retrain a model's Medusa heads or EAGLE draft on this deployment's own traffic, and say
-whether they do better than the configured ones on requests they did not learn from.
+"""Retrain a model's Medusa heads, EAGLE draft or draft model on this deployment's own
+traffic, and say whether they do better than the configured ones on requests they did not
+learn from.
 
 The sample is read as `tune measure` reads it (``gateway.tune.sample.audited_sample``, under
 a `tune_train` event) and split, seeded, into training and held-out requests. The target
 answers the training prompts greedily and the heads learn its answers
-(``engine.training.heads``: its features and soft labels, deterministic for a seed). The
+(``engine.training.heads``: its features and soft labels), or a draft model is distilled on
+them as the demo's is (``engine.training.demo.draft``: a few of the target's layers learning
+its top-k distribution); either is deterministic for a seed. The
 answers, the costly part, are cached under ``<out>/cache`` by the target's version and the
 prompts, so a rerun into the same directory reads them back; they are the target's answers
 to users' prompts, so the cache is removed once the run is done unless it is kept on
-purpose. The heads go to ``<out>/<method>-<hash>`` (the directory holds exactly what the
+purpose. The artefact goes to ``<out>/<method>-<hash>`` (the directory holds exactly what the
 engine loads, so its name and the provenance's ``content_sha256`` are the version the audit
 log records for every request served with it), with ``provenance.json`` beside it. The
-held-out requests are then replayed through plain decoding, the configured heads of that
-method (if any) and the new ones (``gateway.tune.measure.measure_artefacts``), and
-``verdict`` says whether the new ones are better.
+held-out requests are then replayed through plain decoding, the configured artefact of that
+method (if any) and the new one (``gateway.tune.measure.measure_artefacts``), and
+``verdict`` says whether the new one is better.
 """
 
 from __future__ import annotations
@@ -25,17 +28,23 @@ import random
 import shutil
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from engine.training.demo.draft import DraftSpec
 from engine.training.heads import heads_method
 from engine.training.heads.train import HeadsSpec, Progress
 from gateway.tune.measure import ALL, ArtefactVariant, ModelRun, TuneModel, figures, machine
 from gateway.tune.sample import Sample, TuneRequest
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 HeadsMethod = Literal["medusa", "eagle"]
+TuneMethod = Literal["medusa", "eagle", "draft"]
+REQUEST_KIND = "request"  # what a draft's greedy agreement is reported under
 PROVENANCE_KIND = "specgate-tune-provenance"
 TRAIN_REPORT_KIND = "specgate-tune-train-report"
 CACHE_DIR = "cache"
@@ -58,8 +67,11 @@ def split_requests(
     return ordered[held:], ordered[:held]
 
 
-def current_heads(model: TuneModel, method: HeadsMethod) -> Path | None:
-    """The configured heads directory if it holds ``method``'s heads."""
+def current_artefact(model: TuneModel, method: TuneMethod) -> Path | None:
+    """The configured artefact of ``method``: the draft model, or the heads directory if it
+    holds ``method``'s heads."""
+    if method == "draft":
+        return model.draft
     if model.heads is None or heads_method(model.heads) != method:
         return None
     return model.heads
@@ -67,11 +79,13 @@ def current_heads(model: TuneModel, method: HeadsMethod) -> Path | None:
 
 @dataclass
 class Trained:
-    """New heads: their directory and content hash, the target version they fit, the
-    requests they learnt from, what was left out, and the training's figures."""
+    """A new artefact: its directory and content hash, the recipe it was trained with, the
+    target version it fits, the requests it learnt from, what was left out, and the
+    training's figures."""
 
     directory: Path
     content_sha256: str
+    spec: HeadsSpec | DraftSpec
     target_version: str
     trained_on: list[TuneRequest]
     skipped: Counter[str]
@@ -80,22 +94,20 @@ class Trained:
 
 def distil(
     model: TuneModel,
-    method: HeadsMethod,
+    method: TuneMethod,
     requests: Sequence[TuneRequest],
-    spec: HeadsSpec,
+    spec: HeadsSpec | DraftSpec,
     out: Path,
     progress: Progress,
 ) -> Trained:
-    """Heads for ``model``'s target trained on its greedy answers to ``requests``' prompts
-    (on the CPU, as ``specgate heads train``), written to ``out/<method>-<hash>``; answers
-    already in ``out/cache`` for this target version are read back, not generated."""
+    """Heads (``HeadsSpec``) or a draft model (``DraftSpec``) for ``model``'s target trained
+    on its greedy answers to ``requests``' prompts (on the CPU, as ``specgate heads train``
+    and the demo's draft build), written to ``out/<method>-<hash>``; answers already in
+    ``out/cache`` for this target version are read back, not generated."""
     import torch
 
     from engine.models.loading import embedding_rows, load_model, load_tokenizer
     from engine.models.versioning import model_version
-    from engine.training.heads.eagle import EagleDraft
-    from engine.training.heads.medusa import MedusaHeads
-    from engine.training.heads.train import build_data, train_eagle, train_medusa
     from gateway.tune.measure import prompt_ids
 
     tokenizer = load_tokenizer(model.target)
@@ -124,6 +136,39 @@ def distil(
             generated = max(generated, total)
         progress(phase, done, total, loss)
 
+    partial = out / f".{method}-partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    if method == "draft":
+        assert isinstance(spec, DraftSpec)
+        spec = replace(spec, prompts=len(prompts))
+        summary = _distil_draft(target, tokenizer, prompts, spec, version, out, counting, partial)
+    else:
+        assert isinstance(spec, HeadsSpec)
+        summary = _distil_heads(
+            target, tokenizer, prompts, spec, version, model.target.name, method, out,
+            counting, progress, partial,
+        )
+    digest = model_version(partial)
+    directory = out / f"{method}-{digest.removeprefix('sha256:')[:16]}"
+    if directory.exists():  # the same content: a rerun with the same seed
+        shutil.rmtree(partial)
+    else:
+        os.replace(partial, directory)
+    summary.update(answers_generated=generated, answers_read_back=len(prompts) - generated)
+    return Trained(directory, digest, spec, version, trained_on, skipped, summary)
+
+
+def _distil_heads(
+    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
+    spec: HeadsSpec, version: str, target_name: str, method: HeadsMethod, out: Path,
+    counting: Progress, progress: Progress, partial: Path,
+) -> dict[str, Any]:
+    """Heads trained on the answers to ``prompts`` (``counting`` follows their generation),
+    saved to ``partial``; the training's figures."""
+    from engine.training.heads.eagle import EagleDraft
+    from engine.training.heads.medusa import MedusaHeads
+    from engine.training.heads.train import build_data, train_eagle, train_medusa
+
     data = build_data(
         target, tokenizer, [], spec, version, counting, cache_dir=out / CACHE_DIR,
         prompts=prompts,
@@ -131,31 +176,46 @@ def distil(
     eos = tokenizer.eos_token_id
     heads: MedusaHeads | EagleDraft
     if method == "eagle":
-        heads, losses = train_eagle(target, data, spec, version, model.target.name, progress, eos)
+        heads, losses = train_eagle(target, data, spec, version, target_name, progress, eos)
     else:
         heads, losses = train_medusa(target, data, spec, version, progress, eos)
-    partial = out / f".{method}-partial"
-    shutil.rmtree(partial, ignore_errors=True)
     heads.save(partial)
-    digest = model_version(partial)
-    directory = out / f"{method}-{digest.removeprefix('sha256:')[:16]}"
-    if directory.exists():  # the same content: a rerun with the same seed
-        shutil.rmtree(partial)
-    else:
-        os.replace(partial, directory)
-    summary = {
+    return {
         "sequences": int(data.ids.shape[0]),
         "positions": data.positions,
-        "answers_generated": generated,
-        "answers_read_back": len(prompts) - generated,
         "extra_parameters": heads.extra_parameters(),
         "losses": losses,
     }
-    return Trained(directory, digest, version, trained_on, skipped, summary)
 
 
-def recipe(spec: HeadsSpec, method: HeadsMethod, held_out_share: float) -> dict[str, Any]:
-    return {"method": method, "held_out_share": held_out_share, "heads_spec": asdict(spec)}
+def _distil_draft(
+    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
+    spec: DraftSpec, version: str, out: Path, counting: Progress, partial: Path,
+) -> dict[str, Any]:
+    """A draft model distilled on the answers to ``prompts`` as the demo's is
+    (``engine.training.demo.draft.distil_draft``), saved to ``partial`` with the target's
+    tokenizer and its head vocabulary; the training's figures."""
+    from transformers import LlamaForCausalLM
+
+    from engine.training.demo.answers import Prompt, TokenPrompt
+    from engine.training.demo.draft import distil_draft, save_draft
+
+    if not isinstance(target, LlamaForCausalLM):
+        raise ValueError(f"a draft is distilled from a Llama target, not {type(target).__name__}")
+    chats: list[Prompt] = [TokenPrompt(REQUEST_KIND, ids) for ids in prompts]
+    built = distil_draft(target, tokenizer, chats, spec, counting, version, out / CACHE_DIR)
+    # The manifest says nothing of this run's timing or cache, so the same answers and recipe
+    # give the same directory, bit for bit.
+    save_draft(built.draft, tokenizer, built.vocabulary, built.manifest, partial)
+    figures = {k: v for k, v in built.manifest.items() if k not in ("spec", "target_version")}
+    return {**figures, "seconds": built.seconds}
+
+
+def recipe(
+    spec: HeadsSpec | DraftSpec, method: TuneMethod, held_out_share: float
+) -> dict[str, Any]:
+    key = "draft_spec" if isinstance(spec, DraftSpec) else "heads_spec"
+    return {"method": method, "held_out_share": held_out_share, key: asdict(spec)}
 
 
 def provenance(
@@ -163,14 +223,14 @@ def provenance(
     sample: Sample,
     trained: Trained,
     held_out: Sequence[TuneRequest],
-    spec: HeadsSpec,
-    method: HeadsMethod,
+    method: TuneMethod,
     held_out_share: float,
 ) -> dict[str, Any]:
-    """Where the heads come from: the target (path and version), the sample (its audit event,
-    the requests by event id or file line, the file's SHA-256), the recipe (every training
-    setting and the seed), the subjects' keyed references whose content was read and those
-    the heads learnt from (never content), the split, and the heads' content hash."""
+    """Where the artefact comes from: the target (path and version), the sample (its audit
+    event, the requests by event id or file line, the file's SHA-256), the recipe (every
+    training setting and the seed), the subjects' keyed references whose content was read and
+    those the artefact learnt from (never content), the split, and the artefact's content
+    hash."""
     return {
         "kind": PROVENANCE_KIND,
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -191,13 +251,13 @@ def provenance(
         "subject_refs_read": _subjects(sample.requests),
         "subject_refs_trained_on": _subjects(trained.trained_on),
         "split": {
-            "seed": spec.seed,
+            "seed": trained.spec.seed,
             "held_out_share": held_out_share,
             "train": [request.source_id for request in trained.trained_on],
             "held_out": [request.source_id for request in held_out],
             "left_out_of_training": dict(trained.skipped),
         },
-        "recipe": recipe(spec, method, held_out_share),
+        "recipe": recipe(trained.spec, method, held_out_share),
         "training": trained.summary,
     }
 
@@ -224,9 +284,9 @@ def held_out_rows(run: ModelRun) -> list[dict[str, Any]]:
 
 
 def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Whether the retrained heads are better on the held-out requests: with current heads,
-    a higher acceptance rate and a higher speedup over plain decoding than theirs; without,
-    a speedup above 1 (faster than plain decoding)."""
+    """Whether the retrained artefact is better on the held-out requests: with a current one
+    of its method, a higher acceptance rate and a higher speedup over plain decoding than
+    its; without, a speedup above 1 (faster than plain decoding)."""
     by_artefact = {row["artefact"]: row for row in rows}
     new, current = by_artefact[RETRAINED], by_artefact.get(CURRENT)
     figures_of = {
@@ -242,7 +302,7 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if current is None:
         better = new["speedup"] > 1.0
         reason = (
-            f"no current heads of this method; retrained speedup {new['speedup']:.2f}x "
+            f"no current artefact of this method; retrained speedup {new['speedup']:.2f}x "
             f"over plain decoding"
         )
     else:

@@ -2,7 +2,8 @@
 a tiny target with weak Medusa heads; heads retrained on its recorded traffic are measured on
 held-out requests and promoted into the configuration only where they do better. The run is
 audited before any content is read, the artefact carries its provenance and is the same for
-the same seed, and an EAGLE draft comes out in vLLM's speculators format."""
+the same seed, an EAGLE draft comes out in vLLM's speculators format, and a draft model
+distilled on the same traffic serves as the engine's draft and is promoted only where better."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from engine.config import EngineConfig
 from engine.models.loading import load_model
 from engine.models.versioning import model_version
 from engine.serving.service import Engine
+from engine.speculation.proposers.vocabulary import VOCABULARY_FILE
+from engine.training.demo.draft import DraftSpec
 from engine.training.heads.medusa import MedusaConfig, MedusaHeads
 from gateway.cli import app as specgate_cli
 from gateway.tune.train import verdict
@@ -328,3 +331,80 @@ def test_an_eagle_draft_is_written_in_the_speculators_format_and_serves(
         assert engine.generate(request).token_ids == engine.generate(plain).token_ids
     finally:
         engine.close()
+
+
+DRAFT = ["--method", "draft", "--draft-layer", "0", "--steps", "30"]
+
+
+@pytest.fixture(scope="module")
+def drafted(company: Company, tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    return _train(company, tmp_path_factory.mktemp("draft"), *DRAFT)
+
+
+def test_a_draft_model_distilled_on_the_traffic_serves_as_the_engines_draft(
+    company: Company, drafted: Trained
+) -> None:
+    prov = drafted.provenance
+    directory = drafted.out / prov["artefact"]["directory"]
+    assert prov["artefact"]["method"] == "draft"
+    assert directory.name == "draft-" + prov["artefact"]["content_sha256"][7:23]
+    assert model_version(directory) == prov["artefact"]["content_sha256"]
+    files = {p.name for p in directory.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", VOCABULARY_FILE} <= files
+    # The recipe is the draft's: every DraftSpec field, the layers and steps as asked.
+    spec = prov["recipe"]["draft_spec"]
+    assert set(spec) == {f.name for f in dataclasses.fields(DraftSpec)}
+    assert spec["layers"] == [0] and spec["steps"] == 30 and spec["seed"] == 0
+    assert prov["split"]["train"] and prov["training"]["answers_generated"] == len(
+        prov["split"]["train"]
+    )
+    assert not (drafted.out / "cache").exists()
+    for path in drafted.out.rglob("*"):
+        if path.is_file():
+            assert CANARY.encode() not in path.read_bytes(), path
+    # No draft is configured: the new one is compared with plain decoding alone.
+    assert {row["artefact"] for row in drafted.report["rows"]} == {"plain", "retrained"}
+    assert drafted.report["method"] == "draft"
+    target = Path(yaml.safe_load(company.config.read_text())["target"])
+    engine = Engine.load(EngineConfig(target=target, draft=directory))
+    try:
+        assert "draft" in engine.available_methods
+        loaded = next(a for a in engine.artefacts if a["kind"] == "draft_model")
+        assert loaded["version"] == prov["artefact"]["content_sha256"]
+        sampling = SamplingParams(max_tokens=6, temperature=0.0)
+        drafting = GenerationRequest(
+            prompt_ids=(5, 6, 7, 8), sampling=sampling,
+            speculative=SpeculativeChoice(method="draft", num_speculative_tokens=2),
+        )
+        plain = GenerationRequest(prompt_ids=(5, 6, 7, 8), sampling=sampling)
+        assert engine.generate(drafting).token_ids == engine.generate(plain).token_ids
+    finally:
+        engine.close()
+
+
+@pytest.mark.usefixtures("clock_free_runs")
+def test_a_better_draft_is_promoted_and_the_same_one_again_is_not(
+    company: Company, drafted: Trained, tmp_path: Path
+) -> None:
+    config = _config_copy(company, tmp_path)
+    assert "draft" not in yaml.safe_load(config.read_text())
+    run = _train(company, tmp_path / "out", *DRAFT, "--promote", config=config)
+    # The same seed: the same draft, bit for bit.
+    assert run.provenance["artefact"] == drafted.provenance["artefact"]
+    directory = (run.out / run.provenance["artefact"]["directory"]).resolve()
+    assert run.report["verdict"]["better"] and "promoted" in run.output
+    written = yaml.safe_load(config.read_text())
+    assert written["draft"] == str(directory) and written["method"] == "medusa"
+    (event,) = _promotions(company, run.report)
+    assert event.payload["promoted"] is True and event.payload["method"] == "draft"
+    assert event.payload["change"] == {"draft": str(directory)}
+    # Now compared with the configured draft, which it is: not better, the file left alone.
+    served = config.read_bytes()
+    again = _train(company, tmp_path / "again", *DRAFT, "--promote", config=config)
+    assert again.provenance["artefact"] == run.provenance["artefact"]
+    rows = {row["artefact"] for row in again.report["rows"]}
+    assert rows == {"plain", "current", "retrained"}
+    assert not again.report["verdict"]["better"] and "not promoted" in again.output
+    assert config.read_bytes() == served
+    (refused,) = _promotions(company, again.report)
+    assert refused.payload["promoted"] is False and refused.payload["current"] == str(directory)

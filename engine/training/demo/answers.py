@@ -1,5 +1,6 @@
-"""The target's greedy answers to the distillation prompts, with its top-k distribution at
-every answer position, and their cache.
+"""The target's greedy answers to the distillation prompts (chats, or prompts already
+tokenized: a deployment's recorded requests), with its top-k distribution at every answer
+position, and their cache.
 
 Answers are most of a draft build (one target pass per token per batch); training a recipe
 is the rest. So the answers are cached in one file per key of the target's version and every
@@ -14,7 +15,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from safetensors import safe_open
@@ -26,10 +27,21 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from engine.training.demo.prompts import DistillationPrompt, Messages
+from engine.training.demo.prompts import DistillationPrompt
 from engine.training.heads.data import left_padded
 
 Progress = Callable[[str, int, int, float], None]
+
+
+class TokenPrompt(NamedTuple):
+    """A prompt already tokenized (chat template applied), answered as it is."""
+
+    kind: str
+    ids: list[int]
+
+
+Prompt = DistillationPrompt | TokenPrompt
+
 # Longer prompts are cut from the left: prefill would take the budget the answers need.
 MAX_PROMPT_TOKENS = 256
 
@@ -73,23 +85,26 @@ class TopKRecorder(LogitsProcessor):
         return scores
 
 
-def _prompt_ids(tokenizer: PreTrainedTokenizerBase, chat: Messages, limit: int) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        chat, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return [int(i) for i in cast(list[int], ids)][-limit:]
+def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, limit: int) -> list[int]:
+    if isinstance(prompt, TokenPrompt):
+        ids = prompt.ids
+    else:
+        ids = cast(list[int], tokenizer.apply_chat_template(
+            prompt.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        ))
+    return [int(i) for i in ids][-limit:]
 
 
 @torch.inference_mode()
 def target_answers(
     target: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase,
-    chats: list[DistillationPrompt], spec: AnswerSpec, progress: Progress,
+    chats: list[Prompt], spec: AnswerSpec, progress: Progress,
 ) -> list[Sample]:
-    """The target's greedy answer to every chat with its top-k distribution at each answer
+    """The target's greedy answer to every prompt with its top-k distribution at each answer
     position, generated in left-padded batches (shortest prompts first)."""
     eos = int(tokenizer.eos_token_id)
     pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
-    prompts = [_prompt_ids(tokenizer, chat.messages, MAX_PROMPT_TOKENS) for chat in chats]
+    prompts = [_prompt_ids(tokenizer, chat, MAX_PROMPT_TOKENS) for chat in chats]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     samples: dict[int, Sample] = {}
     for start in range(0, len(order), spec.generation_batch):
@@ -117,12 +132,12 @@ def target_answers(
 
 
 def cache_path(
-    directory: Path, target_version: str, spec: AnswerSpec, chats: list[DistillationPrompt]
+    directory: Path, target_version: str, spec: AnswerSpec, chats: list[Prompt]
 ) -> Path:
     """The file holding the answers of the target ``target_version`` to ``chats`` under
     ``spec``: the prompts themselves are in the key, so a changed corpus never reads back
     another corpus's answers."""
-    prompts = [[chat.kind, chat.messages] for chat in chats]
+    prompts = [list(chat) for chat in chats]
     parts = [target_version, asdict(spec), MAX_PROMPT_TOKENS, prompts]
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
     return directory / f"answers-{key}.safetensors"
@@ -161,7 +176,7 @@ def load_samples(path: Path) -> list[Sample]:
 
 def cached_answers(
     target: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase,
-    chats: list[DistillationPrompt], spec: AnswerSpec, progress: Progress,
+    chats: list[Prompt], spec: AnswerSpec, progress: Progress,
     target_version: str, cache_dir: Path | None,
 ) -> tuple[list[Sample], bool]:
     """``target_answers``, read back from ``cache_dir`` when an earlier build wrote them for

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from engine.speculation.proposers.vocabulary import VOCABULARY_FILE
-from engine.training.demo.answers import AnswerSpec, Progress, Sample, cached_answers
+from engine.training.demo.answers import AnswerSpec, Progress, Prompt, Sample, cached_answers
 from engine.training.demo.corpus import load_corpus
 from engine.training.demo.prompts import distillation_prompts
 from engine.training.heads.vocabulary import frequent_tokens
@@ -206,32 +206,61 @@ def greedy_agreement(
     return {key: round(agree[key] / max(1, total[key]), 4) for key in sorted(total)}
 
 
+@dataclass
+class DistilledDraft:
+    """A distilled draft, its head vocabulary, its manifest (the recipe, the target version
+    and the figures: the same for the same answers and recipe), whether the answers were read
+    back from the cache, and the seconds of each phase."""
+
+    draft: LlamaForCausalLM
+    vocabulary: torch.Tensor
+    manifest: dict[str, object]
+    answers_cached: bool
+    seconds: dict[str, float]
+
+
+def distil_draft(
+    target: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt],
+    spec: DraftSpec, progress: Progress, target_version: str, cache_dir: Path | None = None,
+) -> DistilledDraft:
+    """A draft distilled on the target's answers to ``prompts``, the first
+    ``spec.held_out_share`` of them (at least one) held out to measure greedy agreement. With
+    ``cache_dir``, the answers are read from there when cached for ``target_version`` and
+    ``spec.answers``, and written there otherwise."""
+    started = time.perf_counter()
+    torch.manual_seed(spec.seed)
+    samples, reused = cached_answers(
+        target, tokenizer, prompts, spec.answers, progress, target_version, cache_dir
+    )
+    answers_seconds = round(time.perf_counter() - started, 1)
+    held = max(1, int(len(samples) * spec.held_out_share))
+    if len(samples) <= held:
+        raise ValueError(f"{len(samples)} answer(s): a draft needs more than {held} to learn from")
+    train, held_out = samples[held:], samples[:held]
+    draft, vocabulary, report = train_draft(target, tokenizer, train, held_out, spec, progress)
+    seconds = {"answers": answers_seconds, "distillation": cast(float, report.pop("seconds"))}
+    manifest: dict[str, object] = {
+        "spec": asdict(spec), "target_version": target_version, **report,
+    }
+    return DistilledDraft(draft, vocabulary, manifest, reused, seconds)
+
+
 def build_draft(
     target: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path, spec: DraftSpec,
     progress: Progress, target_version: str, cache_dir: Path | None = None,
 ) -> dict[str, object]:
-    """Build the draft into ``out`` (``out.partial`` until finished); returns its manifest.
-    With ``cache_dir``, the target's answers are read from there when cached for
-    ``target_version`` and ``spec.answers``, and written there otherwise."""
+    """Build the demo draft, distilled on the demo corpus's prompts, into ``out``
+    (``out.partial`` until finished); returns its manifest. ``cache_dir``: ``distil_draft``'s."""
     started = time.perf_counter()
-    seconds: dict[str, float] = {}
-    torch.manual_seed(spec.seed)
-    corpus = load_corpus()
-    chats = distillation_prompts(corpus.train, spec.prompts, spec.seed)
-    samples, reused = cached_answers(
-        target, tokenizer, chats, spec.answers, progress, target_version, cache_dir
+    chats: list[Prompt] = list(
+        distillation_prompts(load_corpus().train, spec.prompts, spec.seed)
     )
-    seconds["answers"] = round(time.perf_counter() - started, 1)
-    held = max(1, int(len(samples) * spec.held_out_share))
-    train, held_out = samples[held:], samples[:held]
-    draft, vocabulary, report = train_draft(target, tokenizer, train, held_out, spec, progress)
-    seconds["distillation"] = cast(float, report.pop("seconds"))
+    built = distil_draft(target, tokenizer, chats, spec, progress, target_version, cache_dir)
     manifest: dict[str, object] = {
-        "spec": asdict(spec), "target_version": target_version, "answers_cached": reused,
-        **report,
+        **built.manifest, "answers_cached": built.answers_cached,
+        "seconds": {**built.seconds, "total": round(time.perf_counter() - started, 1)},
     }
-    manifest["seconds"] = {**seconds, "total": round(time.perf_counter() - started, 1)}
-    save_draft(draft, tokenizer, vocabulary, manifest, out)
+    save_draft(built.draft, tokenizer, built.vocabulary, manifest, out)
     return manifest
 
 
