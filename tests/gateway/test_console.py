@@ -152,7 +152,8 @@ def test_each_role_signs_in_to_its_pages_and_no_other(
     assert browser.current_url.endswith("/console/login")
     browser.find_element(By.ID, "key").send_keys("sg-not-a-key")
     browser.find_element(By.ID, "sign-in").click()
-    assert "Incorrect or revoked key" in browser.find_element(By.ID, "login-error").text
+    error = WebDriverWait(browser, 10).until(lambda d: d.find_element(By.ID, "login-error"))
+    assert "Incorrect or revoked key" in error.text
     # A session ends with its key: revoked, the cookie no longer opens a page.
     fleeting = gateway.services.keys.create("auditor", "console-fleeting", "tests")[1]
     client = console_client(gateway, fleeting)
