@@ -270,26 +270,19 @@ def train(
 
     import yaml
 
-    from engine.training.demo.draft import DraftSpec
     from engine.training.heads.cli import training_progress
-    from engine.training.heads.train import HeadsSpec
-    from gateway.tune.measure import assign, configured_models, measure_artefacts
+    from gateway.tune.measure import configured_models
     from gateway.tune.recommend import ConfigChangeError, set_model_settings
-    from gateway.tune.report import write_train_report
     from gateway.tune.sample import Selection
     from gateway.tune.train import (
         CACHE_DIR,
-        CURRENT,
         PROVENANCE_FILE,
-        RETRAINED,
         TuneMethod,
-        current_artefact,
-        distil,
-        provenance,
+        compare,
+        promotion,
         recipe,
-        split_requests,
-        train_report,
-        write_json,
+        retrain,
+        training_spec,
     )
 
     methods: dict[str, TuneMethod] = {"medusa": "medusa", "eagle": "eagle", "draft": "draft"}
@@ -314,22 +307,12 @@ def train(
             err=True,
         )
         raise typer.Exit(2)
-    spec: HeadsSpec | DraftSpec
-    if kind == "draft":
-        # The count of prompts is the sample's, set once it is read.
-        spec = DraftSpec(
-            layers=tuple(draft_layer or DraftSpec.layers),
-            head_tokens=draft_head_tokens or DraftSpec.head_tokens, prompts=0,
-            answer_tokens=answer_tokens, generation_batch=generation_batch,
-            steps=steps, lr=lr, warmup_steps=min(DraftSpec.warmup_steps, steps // 10), seed=seed,
-        )
-    else:
-        spec = HeadsSpec(
-            num_heads=num_heads, snippets=0, answer_tokens=answer_tokens,
-            generation_batch=generation_batch, steps=steps, rows_per_step=rows_per_step, lr=lr,
-            warmup_steps=min(50, steps // 10), seed=seed,
-            draft_vocab_size=draft_vocab_size or None, sequences_per_step=sequences_per_step,
-        )
+    spec = training_spec(
+        kind, steps=steps, answer_tokens=answer_tokens, generation_batch=generation_batch,
+        lr=lr, seed=seed, num_heads=num_heads, rows_per_step=rows_per_step,
+        sequences_per_step=sequences_per_step, draft_vocab_size=draft_vocab_size,
+        draft_layers=draft_layer or (), draft_head_tokens=draft_head_tokens,
+    )  # fmt: skip
     options: dict[str, Any] = {
         "limit": limit, "k": k, "repeats": repeats, "max_tokens": max_tokens,
         "promote": promote, "recipe": recipe(spec, kind, held_out),
@@ -339,67 +322,34 @@ def train(
         {"options": options, "model": model.name, "method": kind},
         Selection(requests, limit, since, until, include_held),
     )
-    by_model, unassigned = assign(sample.requests, [model])
-    sample.skipped.update(unassigned)
-    try:
-        trained_requests, held_requests = split_requests(by_model[model.name], held_out, seed)
-    except ValueError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(1) from None
-    out.mkdir(parents=True, exist_ok=True)
     try:
         with training_progress(kind) as progress:
-            trained = distil(model, kind, trained_requests, spec, out, progress)
-    except ValueError as error:  # no prompt to learn from, or answers too short
+            retraining = retrain(model, kind, sample, spec, held_out, out, progress)
+        trained = retraining.trained
+        summary = trained.summary
+        typer.echo(
+            f"trained on {len(trained.trained_on)} requests: {summary['answers_generated']} "
+            f"answers generated, {summary['answers_read_back']} read back from "
+            f"{out / CACHE_DIR}"
+        )
+        comparison = compare(model, kind, retraining, out, k, repeats, max_tokens)
+    except ValueError as error:  # too few requests, nothing to learn from or to replay
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(1) from None
-    summary = trained.summary
-    typer.echo(
-        f"trained on {len(trained.trained_on)} requests: {summary['answers_generated']} answers "
-        f"generated, {summary['answers_read_back']} read back from {out / CACHE_DIR}"
-    )
-    prov = provenance(model, sample, trained, held_requests, kind, held_out)
-    provenance_sha256 = write_json(prov, out / PROVENANCE_FILE)
-    current = current_artefact(model, kind)
-    artefacts = {CURRENT: current} if current is not None else {}
-    artefacts[RETRAINED] = trained.directory
-    run = measure_artefacts(
-        model, kind, artefacts, held_requests, k, repeats, max_tokens
-    )
-    if not run.prompts:
-        typer.echo("error: no held-out request can be replayed on this target", err=True)
-        raise typer.Exit(1)
-    report = train_report(run, prov, provenance_sha256, artefacts, k, repeats, max_tokens)
-    json_path, html_path, digest = write_train_report(report, out)
-    for row in report["rows"]:
+    for row in comparison.report["rows"]:
         typer.echo(
             f"{row['artefact']}: {row['variant']}: acceptance {row['acceptance_rate']}, mean "
             f"accepted length {row['mean_accepted_length']}, {row['tokens_per_second']} "
             f"tokens/s, speedup {row['speedup']:.2f}x"
         )
-    decision = report["verdict"]
+    decision = comparison.verdict
+    json_path, html_path = comparison.paths
     typer.echo(f"{'better' if decision['better'] else 'not better'}: {decision['reason']}")
     typer.echo(f"wrote {trained.directory}, {out / PROVENANCE_FILE}, {json_path} "
-               f"(sha256 {digest}), {html_path}")
+               f"(sha256 {comparison.report_sha256}), {html_path}")
     if promote:
-        evidence = {
-            "model": model.name,
-            "method": kind,
-            "artefact": str(trained.directory.resolve()),
-            "content_sha256": trained.content_sha256,
-            "current": str(current) if current is not None else None,
-            "train_event_id": sample.event.event_id,
-            "report_sha256": digest,
-            "provenance_sha256": provenance_sha256,
-            "compared_with": decision["compared_with"],
-            "held_out": decision["figures"],
-            "reason": decision["reason"],
-        }
-        if decision["better"]:
-            field = "draft" if kind == "draft" else "heads"
-            change: dict[str, Any] = {field: str(trained.directory.resolve())}
-            if kind != "draft" and model.method in ("medusa", "eagle") and model.method != kind:
-                change["method"] = kind  # the other method's heads are replaced
+        evidence, change = promotion(model, kind, sample, retraining, comparison)
+        if change is not None:
             document = yaml.safe_load(config.read_text())
             try:
                 updated, written = set_model_settings(document, {model.name: change})

@@ -355,3 +355,124 @@ def train_report(
         "rows": rows,
         "verdict": verdict(rows),
     }
+
+
+def training_spec(
+    method: TuneMethod, *, steps: int, answer_tokens: int, generation_batch: int, lr: float,
+    seed: int, num_heads: int, rows_per_step: int, sequences_per_step: int,
+    draft_vocab_size: int, draft_layers: Sequence[int], draft_head_tokens: int | None,
+) -> HeadsSpec | DraftSpec:
+    """The recipe ``tune train``'s options give: ``DraftSpec`` for a draft model (its own
+    layers and head tokens where not given; the prompt count is set once the sample is read),
+    ``HeadsSpec`` for heads (no text snippets: the sample's prompts alone)."""
+    if method == "draft":
+        return DraftSpec(
+            layers=tuple(draft_layers or DraftSpec.layers),
+            head_tokens=draft_head_tokens or DraftSpec.head_tokens, prompts=0,
+            answer_tokens=answer_tokens, generation_batch=generation_batch,
+            steps=steps, lr=lr, warmup_steps=min(DraftSpec.warmup_steps, steps // 10), seed=seed,
+        )  # fmt: skip
+    return HeadsSpec(
+        num_heads=num_heads, snippets=0, answer_tokens=answer_tokens,
+        generation_batch=generation_batch, steps=steps, rows_per_step=rows_per_step, lr=lr,
+        warmup_steps=min(50, steps // 10), seed=seed,
+        draft_vocab_size=draft_vocab_size or None, sequences_per_step=sequences_per_step,
+    )  # fmt: skip
+
+
+@dataclass
+class Retraining:
+    """An artefact trained on a sample's training requests, with its provenance written, and
+    the requests held out to compare it on."""
+
+    trained: Trained
+    held_out: list[TuneRequest]
+    provenance: dict[str, Any]
+    provenance_sha256: str
+
+
+def retrain(
+    model: TuneModel, method: TuneMethod, sample: Sample, spec: HeadsSpec | DraftSpec,
+    held_out_share: float, out: Path, progress: Progress,
+) -> Retraining:
+    """``model``'s requests of ``sample`` split by the recipe's seed, the artefact distilled
+    on the training part (``distil``) and its provenance written to ``out``. Raises
+    ValueError where there is nothing to learn from."""
+    from gateway.tune.measure import assign
+
+    by_model, unassigned = assign(sample.requests, [model])
+    sample.skipped.update(unassigned)
+    trained_requests, held = split_requests(by_model[model.name], held_out_share, spec.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    trained = distil(model, method, trained_requests, spec, out, progress)
+    prov = provenance(model, sample, trained, held, method, held_out_share)
+    return Retraining(trained, held, prov, write_json(prov, out / PROVENANCE_FILE))
+
+
+@dataclass
+class Comparison:
+    """The held-out comparison: the configured artefact it was measured beside (None: only
+    plain decoding), the report and where it went (JSON, HTML, the JSON's SHA-256)."""
+
+    current: Path | None
+    report: dict[str, Any]
+    paths: tuple[Path, Path]
+    report_sha256: str
+
+    @property
+    def verdict(self) -> dict[str, Any]:
+        return dict(self.report["verdict"])
+
+
+def compare(
+    model: TuneModel, method: TuneMethod, retraining: Retraining, out: Path,
+    k: int, repeats: int, max_tokens: int,
+) -> Comparison:
+    """The held-out requests replayed through plain decoding, the configured artefact of
+    ``method`` and the retrained one (``measure_artefacts``), and ``train.json`` /
+    ``train.html`` written. Raises ValueError where no held-out request can be replayed."""
+    from gateway.tune.measure import measure_artefacts
+    from gateway.tune.report import write_train_report
+
+    current = current_artefact(model, method)
+    artefacts = {CURRENT: current} if current is not None else {}
+    artefacts[RETRAINED] = retraining.trained.directory
+    run = measure_artefacts(model, method, artefacts, retraining.held_out, k, repeats, max_tokens)
+    if not run.prompts:
+        raise ValueError("no held-out request can be replayed on this target")
+    report = train_report(
+        run, retraining.provenance, retraining.provenance_sha256, artefacts, k, repeats,
+        max_tokens,
+    )
+    json_path, html_path, digest = write_train_report(report, out)
+    return Comparison(current, report, (json_path, html_path), digest)
+
+
+def promotion(
+    model: TuneModel, method: TuneMethod, sample: Sample, retraining: Retraining,
+    comparison: Comparison,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The `tune_promote` event's evidence, and the configuration change for ``model`` if
+    the retrained artefact is better (None otherwise): its directory as the ``draft`` or
+    ``heads``, and the method where other heads were served."""
+    trained, decision = retraining.trained, comparison.verdict
+    evidence = {
+        "model": model.name,
+        "method": method,
+        "artefact": str(trained.directory.resolve()),
+        "content_sha256": trained.content_sha256,
+        "current": str(comparison.current) if comparison.current is not None else None,
+        "train_event_id": sample.event.event_id,
+        "report_sha256": comparison.report_sha256,
+        "provenance_sha256": retraining.provenance_sha256,
+        "compared_with": decision["compared_with"],
+        "held_out": decision["figures"],
+        "reason": decision["reason"],
+    }
+    if not decision["better"]:
+        return evidence, None
+    field_name = "draft" if method == "draft" else "heads"
+    change: dict[str, Any] = {field_name: str(trained.directory.resolve())}
+    if method != "draft" and model.method in ("medusa", "eagle") and model.method != method:
+        change["method"] = method  # the other method's heads are replaced
+    return evidence, change
