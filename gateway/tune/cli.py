@@ -170,6 +170,7 @@ def measure(
     source["requests_chosen"] = len(chosen)
     source["skipped"] = dict(skipped)
     report = build_report(runs, source, options, sample.event.event_id)
+    report["acceptance_drifts"] = _recorded_drifts(settings, database_url)
     json_path, html_path, digest = write_report(report, out)
     for model_report in report["models"]:
         rec = model_report["recommendation"]
@@ -180,6 +181,18 @@ def measure(
                 f"[{rec['speedup_low']:.2f}, {rec['speedup_high']:.2f}]"
             )
     typer.echo(f"wrote {json_path} (sha256 {digest}), {html_path}")
+
+
+def _recorded_drifts(settings: Settings, database_url: str | None) -> list[dict[str, Any]]:
+    """The gateway's newest recorded acceptance drifts, for the report's drift section."""
+    from gateway.db import make_db_engine
+    from gateway.tune.watch import recorded_drifts
+
+    db = make_db_engine(database_url or settings.database_url)
+    try:
+        return recorded_drifts(db)
+    finally:
+        db.dispose()
 
 
 @tune_app.command("train")

@@ -215,12 +215,31 @@ def render_html(report: dict[str, Any]) -> str:
             if cluster["cluster"] != ALL:
                 parts.append(_recommendation_line(cluster["recommendation"]))
             parts.append(_table(cluster["rows"]))
+    parts.append(_drifts(report.get("acceptance_drifts", [])))
     parts.append(
         "<p class='note'>Speedup: tokens/s over plain decoding on the same requests; interval: "
         "95 % bootstrap over requests. Latency: per request, median over repeats. Acceptance "
         f"under {ACCEPTANCE_FLOOR:.0%} in red.</p></body></html>"
     )
     return "".join(parts)
+
+
+def _drifts(drifts: list[dict[str, Any]]) -> str:
+    """The gateway's recorded acceptance drifts, newest first, one line each."""
+    if not drifts:
+        return "<h2>Acceptance drift</h2><p class='note'>No drift recorded by the gateway.</p>"
+    lines = "".join(
+        f"<li>{escape(d.get('created_at', ''))}: {escape(str(d.get('model')))} "
+        f"{escape(str(d.get('method')))} {escape(str(d.get('workload', 'all')))}, rolling "
+        f"acceptance {_fmt(d.get('rolling_acceptance'))}: {escape(str(d.get('reason')))}</li>"
+        for d in drifts
+    )
+    return (
+        f"<h2 id='acceptance-drift'>Acceptance drift</h2><p>{len(drifts)} drift(s) recorded "
+        "by the gateway, newest first; where a workload's acceptance has moved from what was "
+        "measured, measure it again, or retrain its proposer with <code>specgate tune "
+        f"train</code>:</p><ul>{lines}</ul>"
+    )
 
 
 def write_train_report(report: dict[str, Any], out: Path) -> tuple[Path, Path, str]:

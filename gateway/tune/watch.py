@@ -302,3 +302,25 @@ def write_metrics(path: Path, found: list[Drift]) -> None:
     partial = path.with_name(path.name + ".tmp")
     partial.write_text(metrics_text(found), "utf-8")
     partial.replace(path)
+
+
+# The newest gateway-recorded drifts a tuning report lists.
+REPORTED_DRIFTS = 50
+
+
+def recorded_drifts(db: sa.Engine, limit: int = REPORTED_DRIFTS) -> list[dict[str, Any]]:
+    """The newest `acceptance_drift` events the gateways appended (newest first): when, and
+    the drift's figures (``drift_record``'s fields and the instance); no content."""
+    c = audit_events.c
+    query = (
+        sa.select(c.event_id, c.created_at, c.payload)
+        .where(c.kind == "acceptance_drift")
+        .order_by(c.seq.desc())
+        .limit(limit)
+    )
+    with db.connect() as connection:
+        rows = connection.execute(query).all()
+    return [
+        {"event_id": row.event_id, "created_at": str(row.created_at), **dict(row.payload)}
+        for row in rows
+    ]

@@ -176,6 +176,24 @@ def test_the_compliance_report_lists_acceptance_drift_events(
     assert "below the measured 90%" in rows
 
 
+def test_the_tune_report_lists_the_recorded_drifts(live: LiveGateway, drifted: Drifted) -> None:
+    from gateway.tune.report import render_html as render_tune_html
+    from gateway.tune.watch import recorded_drifts
+
+    [listed] = recorded_drifts(live.services.db)
+    assert (listed["model"], listed["method"], listed["workload"]) == (MODEL, "ngram", DRIFTING)
+    report = {
+        "source": {"source": "audit_log"}, "requests": [], "options": {}, "machine": "m",
+        "measure_event_id": "e", "created_at": "now", "models": [],
+    }  # fmt: skip
+    quiet = render_tune_html(report)
+    assert "No drift recorded by the gateway" in quiet
+    page = render_tune_html({**report, "acceptance_drifts": [listed]})
+    section = page.split("id='acceptance-drift'")[1]
+    assert f"{MODEL} ngram {DRIFTING}" in section and "below the measured 90%" in section
+    assert "specgate tune train" in section
+
+
 def _stats(accepted: int) -> GenerationStats:
     return GenerationStats(method="ngram", num_drafts=4, num_draft_tokens=16,
                            num_accepted_tokens=accepted, num_target_passes=8)
